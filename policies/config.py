@@ -1,0 +1,342 @@
+"""Degradation policy config: one pydantic v2 schema for two spellings.
+
+The reference design's JSON is read unchanged::
+
+    {"degradation": {"level1": {"trigger": {"gpu_util": 0.85, "queue_length": 20},
+                                "disable": ["semantic_cache", "debug_log", "light_metrics"]},
+                     "level2": {...},
+                     "level3": {"trigger": {...}, "disable": ["all_non_critical"]}}}
+
+The richer YAML (``configs/degradation.yaml``) is the same schema with more keys: per level
+``recover`` thresholds, ``escalate_after_s``, ``recover_dwell_s``, ``cooldown_s``; and a
+``features`` section giving each feature its off level, criticality and off-mode.
+
+Rules, all checked at load time (validators do no I/O):
+
+- A level *triggers* when ANY of its trigger signals reaches (>=) its value.
+- A level *recovers* when EVERY one of its signals is strictly below its recover value. A recover
+  value left out defaults to ``trigger * recover_ratio``; the default ratio, 5/6, maps the
+  reference design's example 0.9 trigger to its 0.75 recover value. Recover must be below trigger.
+- A signal named at two levels must trigger strictly higher at the higher level.
+- Feature names must be registered (``policies.features``) or an alias; ``all_non_critical``
+  means every optional feature; a critical feature may never be disabled.
+- A feature disabled at level k is disabled at every level above k.
+
+Every error names the key, the bad value and, where there is a closed set, the valid choices.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from policies import features as feat
+from policies.features import Level, OffMode
+
+# The signals a policy may name, with their units in the name where they have one.
+SIGNALS: tuple[str, ...] = (
+    "gpu_util",  # 0-1, busiest GPU
+    "gpu_mem_ratio",  # 0-1, fullest GPU memory
+    "queue_length",  # requests waiting (vLLM waiting + Serve queue)
+    "inflight",  # requests being served end to end
+    "kv_cache_usage",  # 0-1, fullest vLLM KV cache
+    "avg_latency_ms",  # mean end-to-end latency over the window
+    "p95_latency_ms",  # 95th percentile end-to-end latency
+    "ttft_p95_ms",  # 95th percentile time to first token
+)
+
+DEFAULT_RECOVER_RATIO = 0.75 / 0.9  # 0.8333: the reference design's 0.9 -> 0.75 example
+LEVEL_KEYS = ("level1", "level2", "level3")
+
+NonNegSeconds = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _check_signal_map(key: str, values: Mapping[str, float]) -> None:
+    for name, value in values.items():
+        if name not in SIGNALS:
+            raise ValueError(
+                f"{key}: unknown signal {name!r}; valid signals: {', '.join(SIGNALS)}"
+            )
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(
+            value
+        ) or value < 0:
+            raise ValueError(f"{key}.{name}: threshold must be a finite number >= 0, got {value!r}")
+
+
+class LevelConfig(_Strict):
+    """One level: when it triggers, when it recovers, and what it turns off."""
+
+    trigger: dict[str, float] = Field(
+        default_factory=dict,
+        description="signal -> value; the level triggers when ANY signal reaches its value",
+    )
+    recover: dict[str, float] = Field(
+        default_factory=dict,
+        description="signal -> value; recovery needs EVERY signal strictly below its value. "
+        "Missing entries default to trigger * recover_ratio.",
+    )
+    disable: list[str] = Field(
+        default_factory=list, description="features (or aliases) this level turns off"
+    )
+    escalate_after_s: NonNegSeconds = Field(
+        default=0.0, description="how long the trigger must hold before escalating; 0 = at once"
+    )
+    recover_dwell_s: NonNegSeconds = Field(
+        default=60.0,
+        description="how long every signal must stay below recover, unbroken, to step down",
+    )
+    cooldown_s: NonNegSeconds = Field(
+        default=30.0, description="minimum time after any level change before stepping down"
+    )
+
+    @field_validator("trigger", "recover", mode="before")
+    @classmethod
+    def _signals_known(cls, value: Any, info: Any) -> Any:
+        if isinstance(value, Mapping):
+            _check_signal_map(info.field_name, value)
+        return value
+
+    @field_validator("disable")
+    @classmethod
+    def _features_known(cls, value: list[str]) -> list[str]:
+        for name in value:
+            try:
+                feat.expand(name)
+            except KeyError:
+                raise ValueError(
+                    f"disable: unknown feature {name!r}; valid: {', '.join(feat.known_names())}"
+                ) from None
+        return value
+
+
+class FeatureConfig(_Strict):
+    """Per-feature settings of the richer YAML."""
+
+    off_at: Literal[1, 2, 3] | None = Field(
+        default=None, description="the level that turns this feature off; null: never"
+    )
+    critical: bool | None = Field(
+        default=None,
+        description="must match the registry when given; a critical feature is never disabled",
+    )
+    mode: OffMode = Field(default=OffMode.SKIP, description="behaviour when off")
+    default: Any = Field(default=None, description="the value returned when mode is 'default'")
+
+    @model_validator(mode="after")
+    def _default_needs_value(self) -> FeatureConfig:
+        if self.mode is OffMode.DEFAULT and self.default is None:
+            raise ValueError("mode 'default' needs a 'default' value (e.g. [] or \"\")")
+        return self
+
+
+class DegradationConfig(_Strict):
+    """The whole policy. Build it with `parse_policy` or `load_policy`."""
+
+    level1: LevelConfig | None = None
+    level2: LevelConfig | None = None
+    level3: LevelConfig | None = None
+    features: dict[str, FeatureConfig] = Field(default_factory=dict)
+    recover_ratio: float = Field(
+        default=DEFAULT_RECOVER_RATIO,
+        gt=0.0,
+        lt=1.0,
+        description="default recover value as a fraction of the trigger value",
+    )
+    stale_after_s: float = Field(
+        default=5.0, gt=0.0, description="a replica report older than this is ignored"
+    )
+
+    @field_validator("features")
+    @classmethod
+    def _feature_names_known(cls, value: dict[str, FeatureConfig]) -> dict[str, FeatureConfig]:
+        for name, cfg in value.items():
+            if name not in feat.REGISTRY:
+                raise ValueError(
+                    f"features: unknown feature {name!r}; valid: {', '.join(sorted(feat.REGISTRY))}"
+                )
+            if cfg.critical is not None and cfg.critical != feat.is_critical(name):
+                raise ValueError(
+                    f"features.{name}.critical: {cfg.critical} contradicts the registry "
+                    f"({feat.is_critical(name)})"
+                )
+        return value
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> DegradationConfig:
+        # recover below trigger, recover names only trigger signals
+        for key in LEVEL_KEYS:
+            lvl: LevelConfig | None = getattr(self, key)
+            if lvl is None:
+                continue
+            for name, value in lvl.recover.items():
+                if name not in lvl.trigger:
+                    raise ValueError(
+                        f"{key}.recover.{name}: {value} has no trigger; "
+                        f"signals with a trigger here: {', '.join(lvl.trigger) or 'none'}"
+                    )
+                if value >= lvl.trigger[name]:
+                    raise ValueError(
+                        f"{key}.recover.{name}: {value} must be below "
+                        f"{key}.trigger.{name}: {lvl.trigger[name]}"
+                    )
+        # levels ascending per signal
+        for lo_i, lo_key in enumerate(LEVEL_KEYS):
+            lo: LevelConfig | None = getattr(self, lo_key)
+            if lo is None:
+                continue
+            for hi_key in LEVEL_KEYS[lo_i + 1 :]:
+                hi: LevelConfig | None = getattr(self, hi_key)
+                if hi is None:
+                    continue
+                for name, value in hi.trigger.items():
+                    if name in lo.trigger and value <= lo.trigger[name]:
+                        raise ValueError(
+                            f"{hi_key}.trigger.{name}: {value} must be above "
+                            f"{lo_key}.trigger.{name}: {lo.trigger[name]} (levels ascend)"
+                        )
+        # a critical feature may not be disabled, by a list or by off_at
+        for name, off in self.off_levels().items():
+            if off is not None and feat.is_critical(name):
+                raise ValueError(
+                    f"feature {name!r} is critical and cannot be disabled (level{off}); "
+                    f"critical: {', '.join(n for n, s in feat.REGISTRY.items() if s.critical)}"
+                )
+        return self
+
+    # -- derived views (cheap, computed on demand; the config is frozen) ----------------------
+
+    def level(self, level: int) -> LevelConfig | None:
+        return getattr(self, LEVEL_KEYS[level - 1]) if 1 <= level <= 3 else None
+
+    def trigger_thresholds(self, level: int) -> Mapping[str, float]:
+        lvl = self.level(level)
+        return lvl.trigger if lvl else {}
+
+    def recover_thresholds(self, level: int) -> dict[str, float]:
+        """Recover value per trigger signal, defaults filled in."""
+        lvl = self.level(level)
+        if lvl is None:
+            return {}
+        return {
+            name: lvl.recover.get(name, value * self.recover_ratio)
+            for name, value in lvl.trigger.items()
+        }
+
+    def off_levels(self) -> dict[str, int | None]:
+        """Feature -> the lowest level that turns it off, from `disable` lists and `off_at`.
+
+        None: never off. The lowest level wins because a feature off at level k is off above k.
+        """
+        result: dict[str, int | None] = {name: None for name in feat.REGISTRY}
+
+        def lower(name: str, level: int) -> None:
+            current = result[name]
+            result[name] = level if current is None else min(current, level)
+
+        for level, key in enumerate(LEVEL_KEYS, start=1):
+            lvl = getattr(self, key)
+            for alias in lvl.disable if lvl else ():
+                for name in feat.expand(alias):
+                    lower(name, level)
+        for name, cfg in self.features.items():
+            if cfg.off_at is not None:
+                lower(name, cfg.off_at)
+        return result
+
+    def off_mode(self, feature: str) -> OffMode:
+        cfg = self.features.get(feature)
+        return cfg.mode if cfg else OffMode.SKIP
+
+    def off_default(self, feature: str) -> Any:
+        cfg = self.features.get(feature)
+        return cfg.default if cfg else None
+
+    def signals_used(self) -> frozenset[str]:
+        return frozenset(s for lv in (1, 2, 3) for s in self.trigger_thresholds(lv))
+
+    def dwell_s(self, level: int) -> float:
+        lvl = self.level(level)
+        return lvl.recover_dwell_s if lvl else LevelConfig().recover_dwell_s
+
+    def cooldown_s(self, level: int) -> float:
+        lvl = self.level(level)
+        return lvl.cooldown_s if lvl else LevelConfig().cooldown_s
+
+    def escalate_after_s(self, level: int) -> float:
+        lvl = self.level(level)
+        return lvl.escalate_after_s if lvl else 0.0
+
+
+class PolicyError(ValueError):
+    """A policy document failed validation. The message names key, value and valid choices."""
+
+
+def _format(err: ValidationError) -> str:
+    parts = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = f"unknown key {loc.rsplit('.', 1)[-1]!r} (value {e.get('input')!r})"
+        elif "input" in e and e["type"] not in ("value_error",) and not isinstance(
+            e["input"], dict
+        ):
+            msg = f"{msg} (got {e['input']!r})"
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts)
+
+
+def parse_policy(document: Mapping[str, Any]) -> DegradationConfig:
+    """Validate a policy document, wrapped in ``{"degradation": ...}`` or bare."""
+    if not isinstance(document, Mapping):
+        raise PolicyError(f"policy must be a mapping, got {type(document).__name__}")
+    body = document.get("degradation", document) if "degradation" in document else document
+    if "degradation" in document and len(document) > 1:
+        others = sorted(k for k in document if k != "degradation")
+        raise PolicyError(f"unknown top-level key(s) beside 'degradation': {others}")
+    try:
+        return DegradationConfig.model_validate(body)
+    except ValidationError as err:
+        raise PolicyError(_format(err)) from None
+
+
+def load_policy(path: str | Path) -> DegradationConfig:
+    """Read a ``.json`` or ``.yaml``/``.yml`` policy file (the only I/O in this module)."""
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    try:
+        doc = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as err:
+        raise PolicyError(f"{path.name}: not valid {path.suffix.lstrip('.')}: {err}") from None
+    return parse_policy(doc or {})
+
+
+DEFAULT_POLICY_PATH = Path(__file__).resolve().parent.parent / "configs" / "degradation.yaml"
+
+
+def default_policy() -> DegradationConfig:
+    return load_policy(DEFAULT_POLICY_PATH)
+
+
+__all__ = [
+    "DEFAULT_RECOVER_RATIO",
+    "DegradationConfig",
+    "FeatureConfig",
+    "Level",
+    "LevelConfig",
+    "PolicyError",
+    "SIGNALS",
+    "default_policy",
+    "load_policy",
+    "parse_policy",
+]

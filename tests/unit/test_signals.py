@@ -1,0 +1,54 @@
+from __future__ import annotations
+
+import pytest
+
+from policies.signals import AGGREGATION, Aggregator, Report
+
+
+def test_sums_queues_and_takes_max_of_utilisation_and_latency() -> None:
+    agg = Aggregator(stale_after_s=5)
+    agg.add(Report("model-a", 10.0, {"queue_length": 3, "gpu_util": 0.5, "p95_latency_ms": 200}))
+    agg.add(Report("model-b", 10.5, {"queue_length": 4, "gpu_util": 0.9, "p95_latency_ms": 150}))
+    snap = agg.aggregate(now=11.0)
+    assert snap.values == {"queue_length": 7, "gpu_util": 0.9, "p95_latency_ms": 200}
+    assert snap.stale == frozenset() and snap.sources == 2
+
+
+def test_stale_report_is_ignored_and_its_signals_named() -> None:
+    agg = Aggregator(stale_after_s=5, forget_after_s=60)
+    agg.add(Report("model-a", 0.0, {"queue_length": 30, "kv_cache_usage": 0.9}))
+    agg.add(Report("ingress", 9.0, {"inflight": 2, "queue_length": 1}))
+    snap = agg.aggregate(now=10.0)
+    assert snap.values == {"inflight": 2, "queue_length": 1}
+    # queue_length has a fresh value but one carrier is stale: the sum may under-count
+    assert snap.stale == {"queue_length", "kv_cache_usage"}
+
+
+def test_silent_source_is_forgotten() -> None:
+    agg = Aggregator(stale_after_s=5, forget_after_s=30)
+    agg.add(Report("gone", 0.0, {"gpu_util": 1.0}))
+    assert agg.aggregate(now=10.0).stale == {"gpu_util"}
+    snap = agg.aggregate(now=31.0)
+    assert snap.stale == frozenset() and "gpu_util" not in snap.values
+    assert agg.sources() == []
+
+
+def test_older_report_does_not_replace_newer() -> None:
+    agg = Aggregator()
+    agg.add(Report("m", 5.0, {"queue_length": 9}))
+    agg.add(Report("m", 4.0, {"queue_length": 1}))
+    assert agg.aggregate(now=5.0).values["queue_length"] == 9
+
+
+def test_unknown_signal_rejected() -> None:
+    with pytest.raises(ValueError, match=r"unknown signal 'gpu_temp'"):
+        Report("m", 0.0, {"gpu_temp": 80})
+
+
+def test_every_signal_has_a_rule() -> None:
+    assert set(AGGREGATION.values()) == {"sum", "max"}
+
+
+def test_bad_windows_rejected() -> None:
+    with pytest.raises(ValueError, match="stale_after_s"):
+        Aggregator(stale_after_s=10, forget_after_s=5)
