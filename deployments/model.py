@@ -1,0 +1,156 @@
+"""VLLMModel: the core of the graph, a Serve deployment around `LLMEngine`.
+
+The class is plain (no decorator): `serve_app/app.py` binds it. It takes OpenAI-shaped request
+dicts that the ingress has already validated, renders chat prompts with the model's own chat
+template, enforces the prompt-length limit in tokens (only the model's tokenizer can count them),
+and streams or returns completions. A request whose caller goes away (client disconnect, Serve
+cancellation) is aborted in vLLM at once: its batch slot and KV cache are freed, and nothing is
+computed for nobody.
+
+Every stream yields plain dicts, first a ``start`` record (prompt token count) or an ``error``,
+then ``delta`` records; errors are values, not exceptions, so the ingress can map them to HTTP
+statuses without unwrapping Ray's exception types.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import asdict
+from typing import Any
+
+from deployments.engine import EngineSettings, LLMEngine
+from deployments.gpu import GpuProbe
+
+logger = logging.getLogger("ray.serve")
+
+# Sampling keys the ingress may pass through to vLLM's SamplingParams.
+SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty",
+                 "frequency_penalty", "ignore_eos")
+
+
+def error_record(status: int, message: str, param: str | None, kind: str = "invalid_request_error") -> dict[str, Any]:
+    return {"type": "error", "status": status, "message": message, "param": param, "kind": kind}
+
+
+class VLLMModel:
+    """Serve deployment: vLLM generation plus live load statistics.
+
+    ``engine`` may be passed in (tests, or a caller that builds its own); otherwise one is built
+    from ``engine_settings`` in the async constructor.
+    """
+
+    async def __init__(
+        self,
+        engine_settings: Mapping[str, Any],
+        served_model_name: str,
+        max_prompt_tokens: int,
+        engine: LLMEngine | None = None,
+        gpu_probe: GpuProbe | None = None,
+    ) -> None:
+        self.settings = EngineSettings.model_validate(dict(engine_settings))
+        self.served_model_name = served_model_name
+        self.max_prompt_tokens = max_prompt_tokens
+        self.engine = engine or LLMEngine(self.settings)
+        self.gpu = gpu_probe or GpuProbe()
+        await self.engine.start()
+        logger.info("VLLMModel ready: %s (%s)", served_model_name, self.settings.model)
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def _prompt(self, request: Mapping[str, Any]) -> tuple[str | None, dict[str, Any] | None]:
+        """The prompt text, or an error record naming the field."""
+        if "messages" in request:
+            try:
+                prompt = self.engine.render_chat(request["messages"])
+            except Exception as err:  # noqa: BLE001 - a template error is the caller's input
+                return None, error_record(400, f"messages could not be rendered: {err}", "messages")
+            field = "messages"
+        else:
+            prompt, field = request["prompt"], "prompt"
+        n = self.engine.count_tokens(prompt)
+        if n > self.max_prompt_tokens:
+            return None, error_record(
+                400,
+                f"{field} is {n} tokens; the limit is {self.max_prompt_tokens} (max_prompt_tokens)",
+                field,
+            )
+        room = self.settings.max_model_len - n
+        if request.get("max_tokens", 0) > room:
+            return None, error_record(
+                400,
+                f"max_tokens={request['max_tokens']} plus the {n}-token prompt exceeds the model's "
+                f"context of {self.settings.max_model_len} tokens",
+                "max_tokens",
+            )
+        return prompt, None
+
+    async def generate_stream(self, request: Mapping[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Stream one completion: ``start`` (or ``error``), then ``delta`` records.
+
+        Cancelling the consumer (Serve propagates a client disconnect) aborts the vLLM request.
+        """
+        prompt, error = self._prompt(request)
+        if error is not None:
+            yield error
+            return
+        sampling = {k: request[k] for k in SAMPLING_KEYS if request.get(k) is not None}
+        request_id = request.get("request_id") or uuid.uuid4().hex
+        stream = self.engine.generate(prompt, sampling, request_id)
+        try:
+            first = await anext(stream)  # vLLM validates sampling before queueing anything
+        except ValueError as err:
+            yield error_record(400, str(err), None)
+            return
+        except StopAsyncIteration:
+            return
+        yield {"type": "start", "prompt": prompt if request.get("echo_prompt") else None}
+        yield {"type": "delta", **asdict(first)}
+        async for delta in stream:
+            yield {"type": "delta", **asdict(delta)}
+
+    async def generate(self, request: Mapping[str, Any]) -> dict[str, Any]:
+        """The whole completion as one record: ``text``, token counts, ``finish_reason``."""
+        parts: list[str] = []
+        last: dict[str, Any] | None = None
+        prompt: str | None = None
+        async for record in self.generate_stream(request):
+            if record["type"] == "error":
+                return record
+            if record["type"] == "start":
+                prompt = record["prompt"]
+                continue
+            parts.append(record["text"])
+            last = record
+        assert last is not None, "vLLM finished without output"
+        return {
+            "type": "result",
+            "text": "".join(parts),
+            "prompt": prompt,
+            "prompt_tokens": last["prompt_tokens"],
+            "completion_tokens": last["completion_tokens"],
+            "finish_reason": last["finish_reason"],
+        }
+
+    # -- observability -------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Engine statistics and the GPU reading, as one plain dict."""
+        gpu = self.gpu.read()
+        return {
+            **asdict(self.engine.stats()),
+            "gpu": {"available": gpu.available, "reason": gpu.reason,
+                    "util_ratio": gpu.util_ratio, "mem_ratio": gpu.mem_ratio},
+        }
+
+    def model_info(self) -> dict[str, Any]:
+        return {"id": self.served_model_name, "max_model_len": self.settings.max_model_len,
+                "source": self.settings.model}
+
+    async def check_health(self) -> None:
+        if not self.engine.started:
+            raise RuntimeError("vLLM engine is not running")
+
+    async def __del__(self) -> None:
+        await self.engine.shutdown()

@@ -1,0 +1,111 @@
+"""build_app(args) -> Application: the only place that binds deployments into the graph.
+
+``serve_config.yaml`` names ``serve_app.app:build_app`` and gives ``args``, validated here by
+`BrownoutArgs` before anything is bound: a bad key or value fails the deploy with a message
+naming it. Per-deployment Serve options (replicas, CPUs, ``max_ongoing_requests``,
+``max_queued_requests``) have deliberate defaults here and may be overridden per deployment in
+``serve_config.yaml``'s ``deployments:`` section.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from ray import serve
+from ray.serve import Application
+
+from deployments.model import VLLMModel
+from serve_app.ingress import Ingress, IngressLimits
+
+EMBEDDED_MODEL = "embedded:tiny"
+
+
+class ModelArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    source: str = Field(
+        default=EMBEDDED_MODEL,
+        min_length=1,
+        description=f"'{EMBEDDED_MODEL}' (built locally, offline), a local model folder, or a Hugging Face id",
+    )
+    served_model_name: str = Field(default="brownout-tiny", min_length=1)
+    max_num_seqs: int = Field(default=16, ge=1)
+    max_model_len: int = Field(default=1024, ge=16)
+    max_prompt_tokens: int = Field(default=768, ge=1)
+    enforce_eager: bool = True
+    kv_cache_space_gib: int = Field(default=1, ge=1)
+    dtype: str = "auto"
+    seed: int = 0
+
+
+class BrownoutArgs(BaseModel):
+    """Builder args, as written under ``args:`` in serve_config.yaml."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: ModelArgs = Field(default_factory=ModelArgs)
+    limits: IngressLimits = Field(default_factory=IngressLimits)
+
+
+def resolve_model_source(source: str) -> str:
+    if source == EMBEDDED_MODEL:
+        from deployments.tiny_model import ensure_tiny_model
+
+        return str(ensure_tiny_model())
+    return source
+
+
+def engine_settings(m: ModelArgs) -> dict[str, Any]:
+    return {
+        "model": resolve_model_source(m.source),
+        "max_num_seqs": m.max_num_seqs,
+        "max_model_len": m.max_model_len,
+        "enforce_eager": m.enforce_eager,
+        "kv_cache_space_gib": m.kv_cache_space_gib,
+        "dtype": m.dtype,
+        "seed": m.seed,
+    }
+
+
+def build_app(args: BrownoutArgs) -> Application:
+    """The Brownout graph: Ingress -> VLLMModel."""
+    args = BrownoutArgs.model_validate(args or {}) if not isinstance(args, BrownoutArgs) else args
+    m = args.model
+    if m.max_prompt_tokens >= m.max_model_len:
+        raise ValueError(
+            f"model.max_prompt_tokens={m.max_prompt_tokens} must be below "
+            f"model.max_model_len={m.max_model_len}: no room would be left to generate"
+        )
+    if args.limits.default_max_tokens > args.limits.max_tokens_limit:
+        raise ValueError(
+            f"limits.default_max_tokens={args.limits.default_max_tokens} exceeds "
+            f"limits.max_tokens_limit={args.limits.max_tokens_limit}"
+        )
+    model = serve.deployment(
+        VLLMModel,
+        name="VLLMModel",
+        # vLLM batches up to max_num_seqs; twice that in flight keeps the batch full while
+        # the next requests wait inside vLLM, where a disconnect can still abort them.
+        max_ongoing_requests=2 * m.max_num_seqs,
+        # Per caller (each ingress replica). Beyond this the handle raises BackPressureError
+        # and the client gets an immediate 503 + Retry-After instead of an unbounded wait.
+        max_queued_requests=2 * m.max_num_seqs,
+        ray_actor_options={"num_cpus": 1},
+        health_check_period_s=10,
+        health_check_timeout_s=30,
+    ).bind(
+        engine_settings=engine_settings(m),
+        served_model_name=m.served_model_name,
+        max_prompt_tokens=m.max_prompt_tokens,
+    )
+    ingress = serve.deployment(
+        Ingress,
+        name="Ingress",
+        # The ingress only parses and forwards: it must never be the bottleneck, and it takes
+        # no CPU reservation so the graph schedules on 2 cores.
+        max_ongoing_requests=256,
+        max_queued_requests=256,
+        ray_actor_options={"num_cpus": 0},
+    ).bind(model, served_model_name=m.served_model_name, limits=args.limits.model_dump())
+    return ingress

@@ -1,0 +1,137 @@
+"""A real local Ray cluster (with dashboard, for `serve deploy`) and the Brownout app on it.
+
+One cluster and one `serve deploy` of serve_config.yaml serve the whole integration session:
+starting the vLLM replica is the slow part (20-30 s here), so every test shares it. The config
+deployed is serve_config.yaml itself with only the HTTP port moved to a free one, so a running
+`make serve` on this machine does not collide with the tests.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+APP = "brownout"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Cluster:
+    dashboard_url: str
+    http_port: int
+    tmp: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def serve_deploy(self, config: dict[str, Any], name: str = "serve_config.yaml") -> subprocess.CompletedProcess:
+        path = self.tmp / name
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        return subprocess.run(
+            [str(Path(sys.executable).parent / "serve"), "deploy", str(path), "--address", self.dashboard_url],
+            capture_output=True, text=True, timeout=120, cwd=ROOT,
+        )
+
+
+def wait_running(timeout_s: float = 300) -> dict[str, Any]:
+    from ray import serve
+
+    deadline = time.monotonic() + timeout_s
+    status = None
+    while time.monotonic() < deadline:
+        status = serve.status()
+        app = status.applications.get(APP)
+        if app is not None and app.status == "RUNNING":
+            return {"app": app}
+        if app is not None and app.status == "DEPLOY_FAILED":
+            raise AssertionError(f"deploy failed: {app.message}")
+        time.sleep(1)
+    raise AssertionError(f"app not RUNNING after {timeout_s}s: {status}")
+
+
+def test_config(http_port: int) -> dict[str, Any]:
+    """serve_config.yaml, unchanged but for the HTTP port."""
+    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    config = copy.deepcopy(config)
+    config["http_options"]["port"] = http_port
+    return config
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[Cluster]:
+    import ray
+
+    tmp = Path(tempfile.mkdtemp(prefix="bo-", dir="/tmp"))
+    dash = free_port()
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=True,
+        dashboard_host="127.0.0.1",
+        dashboard_port=dash,
+        _temp_dir=str(tmp / "ray"),
+        _system_config={"metrics_report_interval_ms": 1000},
+        log_to_driver=False,
+    )
+    c = Cluster(f"http://127.0.0.1:{dash}", free_port(), tmp)
+    try:
+        yield c
+    finally:
+        from ray import serve
+
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def deployed(cluster: Cluster) -> Cluster:
+    """serve_config.yaml deployed with `serve deploy`, RUNNING and answering."""
+    out = cluster.serve_deploy(test_config(cluster.http_port))
+    assert out.returncode == 0, out.stderr + out.stdout
+    wait_running()
+    r = httpx.get(cluster.base_url + "/healthz", timeout=30)
+    assert r.status_code == 200, r.text
+    return cluster
+
+
+@pytest.fixture
+def http(deployed: Cluster) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=deployed.base_url, timeout=60) as client:
+        yield client
+
+
+def model_handle():  # type: ignore[no-untyped-def]
+    from ray import serve
+
+    return serve.get_deployment_handle("VLLMModel", app_name=APP)
+
+
+def model_stats() -> dict[str, Any]:
+    return model_handle().stats.remote().result(timeout_s=10)
+
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
