@@ -9,3 +9,9 @@ test: env
 
 unit: env
 	.venv/bin/python -m pytest tests/unit -q -p no:cacheprovider
+
+serve:
+	@bash scripts/serve.sh
+
+stop:
+	@bash scripts/stop.sh
