@@ -15,6 +15,7 @@ statuses without unwrapping Ray's exception types.
 from __future__ import annotations
 
 import logging
+import os
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import asdict
@@ -22,6 +23,7 @@ from typing import Any
 
 from deployments.engine import EngineSettings, LLMEngine
 from deployments.gpu import GpuProbe
+from deployments.reporting import ActorLink, replica_source, signal_reporter
 
 logger = logging.getLogger("ray.serve")
 
@@ -48,6 +50,8 @@ class VLLMModel:
         max_prompt_tokens: int,
         engine: LLMEngine | None = None,
         gpu_probe: GpuProbe | None = None,
+        report_interval_s: float = 0.25,
+        policy_link: ActorLink | None = None,
     ) -> None:
         self.settings = EngineSettings.model_validate(dict(engine_settings))
         self.served_model_name = served_model_name
@@ -55,6 +59,12 @@ class VLLMModel:
         self.engine = engine or LLMEngine(self.settings)
         self.gpu = gpu_probe or GpuProbe()
         await self.engine.start()
+        if policy_link is None:
+            from policies.actor import get_or_create_policy_actor
+
+            policy_link = ActorLink(get_or_create_policy_actor)
+        self.reporter = signal_reporter(policy_link, replica_source("VLLMModel"), self.signals, report_interval_s)
+        self.reporter.start()
         logger.info("VLLMModel ready: %s (%s)", served_model_name, self.settings.model)
 
     # -- requests ------------------------------------------------------------------------------
@@ -135,10 +145,30 @@ class VLLMModel:
 
     # -- observability -------------------------------------------------------------------------
 
+    def signals(self) -> dict[str, float]:
+        """What this replica reports to the policy actor (names from policies.config.SIGNALS).
+
+        queue_length is vLLM's waiting queue: requests admitted to the replica that the batch
+        cannot take yet. Latency figures are left out while the window is empty; GPU figures
+        only where a GPU exists.
+        """
+        st = self.engine.stats()
+        out: dict[str, float] = {"queue_length": st.num_waiting_reqs, "kv_cache_usage": st.kv_cache_usage_ratio}
+        for name, value in (("ttft_p95_ms", st.ttft_p95_ms), ("p95_latency_ms", st.latency_p95_ms),
+                            ("avg_latency_ms", st.avg_latency_ms)):
+            if value is not None:
+                out[name] = value
+        gpu = self.gpu.read()
+        if gpu.available:
+            out["gpu_util"] = gpu.util_ratio
+            out["gpu_mem_ratio"] = gpu.mem_ratio
+        return out
+
     def stats(self) -> dict[str, Any]:
         """Engine statistics and the GPU reading, as one plain dict."""
         gpu = self.gpu.read()
         return {
+            "pid": os.getpid(),
             **asdict(self.engine.stats()),
             "gpu": {"available": gpu.available, "reason": gpu.reason,
                     "util_ratio": gpu.util_ratio, "mem_ratio": gpu.mem_ratio},
@@ -153,4 +183,5 @@ class VLLMModel:
             raise RuntimeError("vLLM engine is not running")
 
     async def __del__(self) -> None:
+        await self.reporter.stop()
         await self.engine.shutdown()

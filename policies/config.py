@@ -164,6 +164,12 @@ class DegradationConfig(_Strict):
                 raise ValueError(
                     f"features: unknown feature {name!r}; valid: {', '.join(sorted(feat.REGISTRY))}"
                 )
+            if cfg.mode is OffMode.DEFER and feat.REGISTRY[name].stage is not feat.Stage.SIDE_EFFECT:
+                side = ", ".join(n for n, s in feat.REGISTRY.items() if s.stage is feat.Stage.SIDE_EFFECT)
+                raise ValueError(
+                    f"features.{name}.mode: 'defer' is only for side effects ({side}); "
+                    f"{name!r} runs on the request path"
+                )
             if cfg.critical is not None and cfg.critical != feat.is_critical(name):
                 raise ValueError(
                     f"features.{name}.critical: {cfg.critical} contradicts the registry "

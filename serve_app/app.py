@@ -9,14 +9,17 @@ naming it. Per-deployment Serve options (replicas, CPUs, ``max_ongoing_requests`
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve import Application
 
+from deployments.enrichments.host import EnrichmentHost
 from deployments.model import VLLMModel
-from serve_app.ingress import Ingress, IngressLimits
+from policies.config import DEFAULT_POLICY_PATH, parse_policy
+from serve_app.ingress import Ingress, IngressLimits, PipelineSettings
 
 EMBEDDED_MODEL = "embedded:tiny"
 
@@ -39,6 +42,44 @@ class ModelArgs(BaseModel):
     seed: int = 0
 
 
+# Enrichment deployments and the enrichment kinds each hosts (light ones share one).
+ENRICHMENT_DEPLOYMENTS: dict[str, tuple[str, ...]] = {
+    "SemanticCache": ("semantic_cache",),
+    "AuditLog": ("audit_log",),
+    "Personalization": ("personalization",),
+    "Experiments": ("ab_test",),
+    "Telemetry": ("telemetry",),
+    "Enhance": ("enhance",),
+}
+
+
+class EnrichmentArgs(BaseModel):
+    """The optional-work graph. Paths default to folders under ``data_dir``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(default=True, description="deploy the enrichment deployments at all")
+    data_dir: str = Field(default="~/.cache/brownout/state", description="audit log, spool, SQLite, debug")
+    settings: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="per enrichment kind, constructor settings (see registry)"
+    )
+
+    def kind_settings(self, kind: str) -> dict[str, Any]:
+        root = Path(self.data_dir).expanduser()
+        defaults: dict[str, dict[str, Any]] = {
+            "audit_log": {"directory": str(root / "audit")},
+            "personalization": {"db_path": str(root / "profiles.sqlite")},
+            "telemetry": {"debug_dir": str(root / "debug")},
+        }
+        return {**defaults.get(kind, {}), **self.settings.get(kind, {})}
+
+
+def default_policy_document() -> dict[str, Any]:
+    import yaml
+
+    return yaml.safe_load(DEFAULT_POLICY_PATH.read_text())
+
+
 class BrownoutArgs(BaseModel):
     """Builder args, as written under ``args:`` in serve_config.yaml."""
 
@@ -46,6 +87,14 @@ class BrownoutArgs(BaseModel):
 
     model: ModelArgs = Field(default_factory=ModelArgs)
     limits: IngressLimits = Field(default_factory=IngressLimits)
+    enrichments: EnrichmentArgs = Field(default_factory=EnrichmentArgs)
+    pipeline: PipelineSettings = Field(default_factory=PipelineSettings)
+    admin_token: str | None = Field(default=None, description="if set, the admin API needs it as a Bearer token")
+    policy: dict[str, Any] | None = Field(
+        default=None,
+        description="initial policy (the Ingress user_config); default configs/degradation.yaml. "
+        "serve_config.yaml sets it as the Ingress deployment's user_config for hot reload.",
+    )
 
 
 def resolve_model_source(source: str) -> str:
@@ -69,7 +118,7 @@ def engine_settings(m: ModelArgs) -> dict[str, Any]:
 
 
 def build_app(args: BrownoutArgs) -> Application:
-    """The Brownout graph: Ingress -> VLLMModel."""
+    """The Brownout graph: Ingress -> (enrichment deployments) -> VLLMModel."""
     args = BrownoutArgs.model_validate(args or {}) if not isinstance(args, BrownoutArgs) else args
     m = args.model
     if m.max_prompt_tokens >= m.max_model_len:
@@ -99,6 +148,28 @@ def build_app(args: BrownoutArgs) -> Application:
         served_model_name=m.served_model_name,
         max_prompt_tokens=m.max_prompt_tokens,
     )
+    from deployments.enrichments.registry import ENRICHMENTS, FEATURE_TO_KIND
+
+    policy = args.policy if args.policy is not None else default_policy_document()
+    parse_policy(policy)  # fail the deploy now, naming key and value, if the policy is invalid
+    hosts: dict[str, Any] = {}
+    routes: dict[str, str] = {}
+    if args.enrichments.enabled:
+        unknown = sorted(set(args.enrichments.settings) - set(ENRICHMENTS))
+        if unknown:
+            raise ValueError(f"enrichments.settings: unknown kind(s) {unknown}; valid: {sorted(ENRICHMENTS)}")
+        for name, kinds in ENRICHMENT_DEPLOYMENTS.items():
+            hosts[name] = serve.deployment(
+                EnrichmentHost,
+                name=name,
+                # optional work: bounded like everything else; its own timeout bypasses it
+                max_ongoing_requests=64,
+                max_queued_requests=128,
+                ray_actor_options={"num_cpus": 0},
+            ).bind(kinds={k: args.enrichments.kind_settings(k) for k in kinds})
+            for feature, kind in FEATURE_TO_KIND.items():
+                if kind in kinds:
+                    routes[feature] = name
     ingress = serve.deployment(
         Ingress,
         name="Ingress",
@@ -107,5 +178,15 @@ def build_app(args: BrownoutArgs) -> Application:
         max_ongoing_requests=256,
         max_queued_requests=256,
         ray_actor_options={"num_cpus": 0},
-    ).bind(model, served_model_name=m.served_model_name, limits=args.limits.model_dump())
+        user_config={"policy": policy},
+    ).bind(
+        model,
+        served_model_name=m.served_model_name,
+        limits=args.limits.model_dump(),
+        enrichments=hosts,
+        feature_routes=routes,
+        pipeline=args.pipeline.model_dump(),
+        spool_dir=str(Path(args.enrichments.data_dir).expanduser() / "spool"),
+        admin_token=args.admin_token,
+    )
     return ingress

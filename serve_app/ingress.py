@@ -1,28 +1,41 @@
 """The HTTP face: an OpenAI-compatible FastAPI ingress in front of the vLLM deployment.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (whole or SSE streamed, ending
-with ``data: [DONE]``), ``GET /v1/models``, ``GET /healthz``.
+with ``data: [DONE]``), ``GET /v1/models``, ``GET /healthz``, and the admin API under
+``/admin/brownout`` (state, history, overrides, policy).
 
 Errors use OpenAI's error JSON; each names the offending field: 400 invalid field or malformed
 JSON, 404 unknown model, 413 oversized body, 503 (with ``Retry-After``) when the model is
 unavailable or its bounded queue is full. Rejecting at once is the point: an unbounded queue
 turns overload into multi-second waits for everyone.
+
+Optional work runs through `serve_app.pipeline.Pipeline`, gated by a `LevelSnapshot` that a
+background task refreshes from the policy actor every ``refresh_s``; no request ever waits on
+the actor. Every response carries ``X-Brownout-Level`` and ``X-Brownout-Bypassed``.
 """
 
 from __future__ import annotations
 
-import asyncio
+import json
 import logging
+import os
 import time
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+from starlette.background import BackgroundTask
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from deployments.enrichments.spool import DurableSpool
+from deployments.reporting import ActorLink, PeriodicTask, replica_source, signal_reporter
+from deployments.window import SlidingWindow
+from policies.config import PolicyError, parse_policy
 from serve_app.openai_api import (
     SSE_DONE,
     ChatCompletionRequest,
@@ -37,8 +50,11 @@ from serve_app.openai_api import (
     text_completion,
     usage,
 )
+from serve_app.pipeline import LevelSnapshot, Pipeline, RequestContext
 
 logger = logging.getLogger("ray.serve")
+
+SAMPLING_FIELDS = ("temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "ignore_eos")
 
 
 class IngressLimits(BaseModel):
@@ -53,16 +69,35 @@ class IngressLimits(BaseModel):
     retry_after_s: int = Field(default=1, ge=1, description="Retry-After sent with 503s")
 
 
+class PipelineSettings(BaseModel):
+    """How the ingress runs optional stages and talks to the policy actor."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    stage_timeout_s: float = Field(default=1.0, gt=0, description="timeout of one enrichment call")
+    stage_timeouts_s: dict[str, float] = Field(default_factory=dict, description="per-feature timeouts")
+    refresh_s: float = Field(default=0.25, gt=0, description="how often the level is refreshed")
+    report_s: float = Field(default=0.25, gt=0, description="how often signals are reported")
+    drain_s: float = Field(default=1.0, gt=0, description="how often deferred records are drained")
+    experiment: str = Field(default="prompt-style-v1", description="the A/B experiment's name")
+
+
+class OverrideBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    level: int | None = Field(default=None, ge=0, le=3)
+    feature: str | None = None
+    enabled: bool | None = None
+    ttl_s: float | None = Field(default=None, gt=0)
+    note: str = ""
+
+
 api = FastAPI(title="Brownout", description="OpenAI-compatible LLM serving with graceful degradation")
 
 
 def _unavailable(limits: IngressLimits, why: str) -> RequestError:
     return RequestError(503, why, None, kind="service_unavailable",
                         headers={"Retry-After": str(limits.retry_after_s)})
-
-
-def _model_error(record: dict[str, Any]) -> RequestError:
-    return RequestError(record["status"], record["message"], record.get("param"), record.get("kind", "invalid_request_error"))
 
 
 async def _model_call(awaitable: Any, limits: IngressLimits) -> dict[str, Any]:
@@ -74,21 +109,143 @@ async def _model_call(awaitable: Any, limits: IngressLimits) -> dict[str, Any]:
     except DeploymentUnavailableError:
         raise _unavailable(limits, "the model is not available; retry later") from None
     if record["type"] == "error":
-        raise _model_error(record)
+        raise RequestError(record["status"], record["message"], record.get("param"),
+                           record.get("kind", "invalid_request_error"))
     return record
 
 
+def _key_text(messages: list[dict[str, str]] | None, prompt: str | None) -> str:
+    """The semantic-cache key: the client's own request text, before any enrichment."""
+    if messages is None:
+        return prompt or ""
+    return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
+
+
+def _stage_caller(handles: Mapping[str, Any], routes: Mapping[str, str]) -> Callable[[str, dict[str, Any]], Any]:
+    async def call(feature: str, payload: dict[str, Any]) -> dict[str, Any]:
+        return await handles[routes[feature]].call.remote(feature, payload)
+
+    return call
+
+
+def _request_id() -> str:
+    """Serve's own request id (the proxy's x-request-id), so logs and records share one id."""
+    try:
+        from ray.serve.context import _get_serve_request_context
+
+        return _get_serve_request_context().request_id or uuid.uuid4().hex
+    except Exception:  # noqa: BLE001 - outside Serve
+        return uuid.uuid4().hex
+
+
+def _replica_rank() -> int:
+    try:
+        return int(serve.get_replica_context().rank.rank)
+    except Exception:  # noqa: BLE001 - outside a replica
+        return 0
+
+
+# Helpers the routes call are defined above: @serve.ingress pickles the app at decoration.
 @serve.ingress(api)
 class Ingress:
-    """Validates OpenAI requests, calls the model deployment, shapes OpenAI responses."""
+    """Validates OpenAI requests, runs the pipeline around the model, shapes OpenAI responses."""
 
-    def __init__(self, model: Any, served_model_name: str, limits: dict[str, Any] | None = None) -> None:
+    async def __init__(
+        self,
+        model: Any,
+        served_model_name: str,
+        limits: dict[str, Any] | None = None,
+        enrichments: Mapping[str, Any] | None = None,
+        feature_routes: Mapping[str, str] | None = None,
+        pipeline: dict[str, Any] | None = None,
+        spool_dir: str | None = None,
+        admin_token: str | None = None,
+        policy_link: ActorLink | None = None,
+    ) -> None:
         self.model = model
         self.served_model_name = served_model_name
         self.limits = IngressLimits.model_validate(limits or {})
+        self.settings = PipelineSettings.model_validate(pipeline or {})
         self.created = int(time.time())
+        self.admin_token = admin_token
+        routes = dict(feature_routes or {})
+        handles = dict(enrichments or {})
+        missing = sorted({d for d in routes.values() if d not in handles})
+        if missing:
+            raise ValueError(f"feature_routes name deployments without a handle: {missing}")
+        source = replica_source("Ingress")
+        spool_root = Path(spool_dir).expanduser() if spool_dir else None
+        rank = _replica_rank()
+        self.pipeline = Pipeline(
+            _stage_caller(handles, routes),
+            (lambda feature: DurableSpool(spool_root, f"{feature}-ingress{rank}")) if spool_root else None,
+            timeouts_s=self.settings.stage_timeouts_s,
+            default_timeout_s=self.settings.stage_timeout_s,
+            experiment=self.settings.experiment,
+            available=frozenset(routes),
+        )
+        self.snapshot = LevelSnapshot()
+        self.enrichment_handles = handles
+        if policy_link is None:
+            from policies.actor import get_or_create_policy_actor
 
-    # -- helpers -------------------------------------------------------------------------------
+            policy_link = ActorLink(get_or_create_policy_actor)
+        self.policy = policy_link
+        self.inflight = 0
+        self.latency_ms = SlidingWindow(time.monotonic, 30.0, 4096)
+        self.last_policy_error: str | None = None
+        self.tasks = [
+            PeriodicTask("refresh-level", self._refresh, self.settings.refresh_s),
+            signal_reporter(self.policy, source, self._signals, self.settings.report_s),
+            PeriodicTask("drain-deferred", self._drain, self.settings.drain_s),
+        ]
+        for task in self.tasks:
+            task.start()
+
+    # -- background ----------------------------------------------------------------------------
+
+    async def _refresh(self) -> None:
+        view = await self.policy.call("view")
+        self.snapshot = LevelSnapshot.from_view(view, time.time())
+
+    def _signals(self) -> dict[str, float]:
+        out: dict[str, float] = {"inflight": self.inflight}
+        p95, mean = self.latency_ms.percentile(95), self.latency_ms.mean()
+        if p95 is not None:
+            out["p95_latency_ms"] = p95
+        if mean is not None:
+            out["avg_latency_ms"] = mean
+        return out
+
+    async def _drain(self) -> None:
+        snap = self.snapshot
+        deferrable = {f for f, m in snap.modes.items() if m == "defer"} | set(self.pipeline.spools)
+        for feature in sorted(deferrable):
+            if feature in snap.enabled:
+                await self.pipeline.drain(feature)
+            else:
+                self.pipeline.spool(feature)  # open it, so records from a previous replica count
+
+    async def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """serve deploy with a new ``user_config``: validate the policy, push it to the actor.
+
+        Idempotent (Serve may call it twice). An invalid policy is logged with the key and
+        value at fault and not pushed: the running policy stays in force.
+        """
+        doc = (user_config or {}).get("policy")
+        if doc is None:
+            return
+        try:
+            parse_policy(doc)
+        except PolicyError as err:
+            self.last_policy_error = str(err)
+            logger.error("brownout: rejected policy from user_config, running policy kept: %s", err)
+            return
+        result = await self.policy.call("update_config", doc)
+        self.last_policy_error = None if result.get("ok") else result.get("error")
+        logger.info("brownout: policy from user_config: %s", result)
+
+    # -- request helpers -----------------------------------------------------------------------
 
     async def _parse(self, request: Request, schema: type) -> Any:
         length = request.headers.get("content-length")
@@ -109,77 +266,133 @@ class Ingress:
                                f"{self.limits.max_tokens_limit} (max_tokens_limit)", field)
         return requested
 
-    def _model_request(self, body: Any, *, messages: list[dict[str, str]] | None = None,
-                       prompt: str | None = None, max_tokens: int) -> dict[str, Any]:
+    def _context(self, body: Any, messages: list[dict[str, str]] | None, prompt: str | None,
+                 max_tokens: int) -> RequestContext:
         text = prompt if prompt is not None else "".join(m["content"] for m in messages or [])
         if len(text) > self.limits.max_prompt_chars:
             field = "prompt" if prompt is not None else "messages"
             raise RequestError(400, f"{field} is {len(text)} characters; the limit is "
                                f"{self.limits.max_prompt_chars} (max_prompt_chars)", field)
-        req: dict[str, Any] = {
-            "max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
-            "stop": body.stop, "seed": body.seed, "presence_penalty": body.presence_penalty,
-            "frequency_penalty": body.frequency_penalty, "ignore_eos": body.ignore_eos,
-        }
-        if prompt is not None:
-            req["prompt"] = prompt
+        sampling = {k: getattr(body, k) for k in SAMPLING_FIELDS}
+        sampling["max_tokens"] = max_tokens
+        return RequestContext(
+            request_id=_request_id(), user=body.user, messages=messages, prompt=prompt,
+            sampling=sampling, explicit=frozenset(body.model_fields_set) & set(SAMPLING_FIELDS),
+            snapshot=self.snapshot, key_text=_key_text(messages, prompt),
+        )
+
+    def _model_request(self, ctx: RequestContext) -> dict[str, Any]:
+        req = dict(ctx.sampling, request_id=ctx.request_id)
+        if ctx.messages is not None:
+            req["messages"] = ctx.messages
         else:
-            req["messages"] = messages
+            req["prompt"] = ctx.prompt
         return req
 
-    async def _stream(self, req: dict[str, Any]) -> Any:
-        """Start the model stream; its ``start`` record consumed, the deltas to come."""
-        gen = self.model.options(stream=True).generate_stream.remote(req)
-        await _model_call(gen.__anext__(), self.limits)
-        return gen
+    async def _serve(self, ctx: RequestContext, stream: bool, include_usage: bool, chat: bool,
+                     echo_prefix: str = "") -> Response:
+        """The whole request after validation: pre stages, model (or cache), post, side effects."""
+        await self.pipeline.pre(ctx)
+        rid = new_id("chatcmpl" if chat else "cmpl")
+        if ctx.cache_answer is not None:
+            result = {"text": ctx.cache_answer, "finish_reason": "stop", "prompt_tokens": 0, "completion_tokens": 0}
+            gen = None
+        elif stream:
+            gen = self.model.options(stream=True).generate_stream.remote(self._model_request(ctx))
+            await _model_call(gen.__anext__(), self.limits)
+        else:
+            gen = None
+            result = await _model_call(self.model.generate.remote(self._model_request(ctx)), self.limits)
 
-    async def _whole(self, req: dict[str, Any]) -> dict[str, Any]:
-        return await _model_call(self.model.generate.remote(req), self.limits)
+        if stream:
+            self.pipeline.plan_side_effects(ctx)
+            body = self._sse(ctx, gen, rid, chat, include_usage, echo_prefix)
+            return StreamingResponse(body, media_type="text/event-stream", headers=ctx.headers())
 
-    # -- routes --------------------------------------------------------------------------------
+        text = await self.pipeline.post(ctx, result["text"])
+        self.pipeline.plan_side_effects(ctx)
+        record = self.pipeline.record(ctx, None, text, result["finish_reason"],
+                                      usage(result["prompt_tokens"], result["completion_tokens"]))
+        build = chat_completion if chat else text_completion
+        doc = build(rid, self.served_model_name, echo_prefix + text, result["finish_reason"],
+                    result["prompt_tokens"], result["completion_tokens"])
+        return JSONResponse(doc, headers=ctx.headers(),
+                            background=BackgroundTask(self._after_response, ctx, record))
+
+    async def _after_response(self, ctx: RequestContext, record: dict[str, Any]) -> None:
+        # async, so Starlette runs it on the event loop (a sync callable would go to a thread)
+        self.pipeline.side_effects(ctx, record)
+
+    async def _sse(self, ctx: RequestContext, gen: Any, rid: str, chat: bool, include_usage: bool,
+                   echo_prefix: str) -> AsyncIterator[bytes]:
+        created, model = int(time.time()), self.served_model_name
+        parts: list[str] = []
+        last: dict[str, Any] = {"finish_reason": "stop", "prompt_tokens": 0, "completion_tokens": 0}
+
+        def chunk(text: str, finish: str | None) -> bytes:
+            if chat:
+                return sse(chat_chunk(rid, model, created, {"content": text} if text else {}, finish))
+            return sse(text_chunk(rid, model, created, text, finish))
+
+        if chat:
+            yield sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
+        elif echo_prefix:
+            yield chunk(echo_prefix, None)
+        try:
+            if gen is None:  # a semantic-cache hit, sent as one chunk
+                parts.append(ctx.cache_answer or "")
+                yield chunk(ctx.cache_answer or "", "stop")
+            else:
+                async for record in gen:
+                    last = record
+                    parts.append(record["text"])
+                    yield chunk(record["text"], record["finish_reason"])
+        except Exception as err:  # noqa: BLE001 - headers are sent; report in-band
+            logger.warning("stream %s failed: %r", rid, err)
+            yield sse(RequestError(500, "generation failed", None, kind="server_error").body())
+            return
+        if include_usage:
+            doc = (chat_chunk(rid, model, created, {}) if chat else text_chunk(rid, model, created, ""))
+            yield sse({**doc, "choices": [], "usage": usage(last["prompt_tokens"], last["completion_tokens"])})
+        yield SSE_DONE
+        record = self.pipeline.record(ctx, None, "".join(parts), last["finish_reason"],
+                                      usage(last["prompt_tokens"], last["completion_tokens"]))
+        self.pipeline.side_effects(ctx, record)
+
+    async def _handle(self, request: Request, chat: bool) -> Response:
+        started = time.monotonic()
+        self.inflight += 1
+        try:
+            if chat:
+                body: Any = await self._parse(request, ChatCompletionRequest)
+                field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+                max_tokens = self._max_tokens(body.max_completion_tokens or body.max_tokens, field)
+                messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+                ctx = self._context(body, messages, None, max_tokens)
+                echo = ""
+            else:
+                body = await self._parse(request, CompletionRequest)
+                max_tokens = self._max_tokens(body.max_tokens, "max_tokens")
+                ctx = self._context(body, None, body.prompt_text(), max_tokens)
+                echo = body.prompt_text() if body.echo else ""
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            response = await self._serve(ctx, body.stream, include_usage, chat, echo)
+            self.latency_ms.add((time.monotonic() - started) * 1000.0)
+            return response
+        except RequestError as err:
+            return err.response({"X-Brownout-Level": str(self.snapshot.level)})
+        finally:
+            self.inflight -= 1
+
+    # -- OpenAI routes -------------------------------------------------------------------------
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
-        try:
-            body: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
-            field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-            max_tokens = self._max_tokens(body.max_completion_tokens or body.max_tokens, field)
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            req = self._model_request(body, messages=messages, max_tokens=max_tokens)
-            if body.stream:
-                gen = await self._stream(req)
-            else:
-                result = await self._whole(req)
-        except RequestError as err:
-            return err.response()
-        rid = new_id("chatcmpl")
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._chat_sse(gen, rid, include_usage), media_type="text/event-stream")
-        return JSONResponse(chat_completion(rid, self.served_model_name, result["text"], result["finish_reason"],
-                                            result["prompt_tokens"], result["completion_tokens"]))
+        return await self._handle(request, chat=True)
 
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
-        try:
-            body: CompletionRequest = await self._parse(request, CompletionRequest)
-            max_tokens = self._max_tokens(body.max_tokens, "max_tokens")
-            prompt = body.prompt_text()
-            req = self._model_request(body, prompt=prompt, max_tokens=max_tokens)
-            if body.stream:
-                gen = await self._stream(req)
-            else:
-                result = await self._whole(req)
-        except RequestError as err:
-            return err.response()
-        rid = new_id("cmpl")
-        prefix = prompt if body.echo else ""
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._text_sse(gen, rid, prefix, include_usage), media_type="text/event-stream")
-        return JSONResponse(text_completion(rid, self.served_model_name, prefix + result["text"],
-                                            result["finish_reason"], result["prompt_tokens"],
-                                            result["completion_tokens"]))
+        return await self._handle(request, chat=False)
 
     @api.get("/v1/models")
     async def models(self) -> dict[str, Any]:
@@ -189,43 +402,77 @@ class Ingress:
     @api.get("/healthz")
     async def healthz(self) -> Response:
         try:
-            stats = await asyncio.wait_for(self.model.stats.remote(), timeout=5.0)
+            stats = await self.model.stats.remote()
         except Exception as err:  # noqa: BLE001 - any failure means "not healthy"
             return _unavailable(self.limits, f"model unreachable: {type(err).__name__}").response()
-        return JSONResponse({"status": "ok", "model": self.served_model_name, "engine": stats})
+        return JSONResponse({"status": "ok", "model": self.served_model_name, "level": self.snapshot.level,
+                             "engine": stats})
 
-    # -- streaming bodies ----------------------------------------------------------------------
+    # -- admin API -----------------------------------------------------------------------------
 
-    async def _chat_sse(self, gen: Any, rid: str, include_usage: bool) -> AsyncIterator[bytes]:
-        created, model = int(time.time()), self.served_model_name
-        yield sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
-        last = None
+    def _admin_check(self, request: Request) -> None:
+        if self.admin_token and request.headers.get("authorization") != f"Bearer {self.admin_token}":
+            raise RequestError(401, "admin API needs 'Authorization: Bearer <admin_token>'", "authorization",
+                               kind="authentication_error")
+
+    async def _admin(self, request: Request, method: str, *args: Any, **kwargs: Any) -> Response:
         try:
-            async for record in gen:
-                last = record
-                yield sse(chat_chunk(rid, model, created, {"content": record["text"]} if record["text"] else {},
-                                     record["finish_reason"]))
-        except Exception as err:  # noqa: BLE001 - headers are sent; report in-band
-            logger.warning("stream %s failed: %r", rid, err)
-            yield sse(RequestError(500, "generation failed", None, kind="server_error").body())
-        if include_usage and last is not None:
-            yield sse({**chat_chunk(rid, model, created, {}), "choices": [],
-                       "usage": usage(last["prompt_tokens"], last["completion_tokens"])})
-        yield SSE_DONE
+            self._admin_check(request)
+            result = await self.policy.call(method, *args, **kwargs)
+        except RequestError as err:
+            return err.response()
+        except Exception as err:  # noqa: BLE001 - the actor is down or slow: say so
+            return _unavailable(self.limits, f"policy actor unavailable: {type(err).__name__}").response()
+        if isinstance(result, dict) and result.get("ok") is False:
+            return RequestError(400, result.get("error", "rejected"), None).response()
+        return JSONResponse(result)
 
-    async def _text_sse(self, gen: Any, rid: str, prefix: str, include_usage: bool) -> AsyncIterator[bytes]:
-        created, model = int(time.time()), self.served_model_name
-        if prefix:
-            yield sse(text_chunk(rid, model, created, prefix))
-        last = None
+    @api.get("/admin/brownout")
+    async def admin_state(self, request: Request) -> Response:
+        response = await self._admin(request, "get_state")
+        if response.status_code != 200:
+            return response
+        state = json.loads(response.body)
+        state["ingress"] = {
+            "snapshot_level": self.snapshot.level, "snapshot_age_s": time.time() - self.snapshot.fetched_at,
+            "pipeline": self.pipeline.counters(), "policy_link_failures": self.policy.failures,
+            "last_policy_error": self.last_policy_error, "inflight": self.inflight, "pid": os.getpid(),
+        }
+        return JSONResponse(state)
+
+    @api.get("/admin/brownout/history")
+    async def admin_history(self, request: Request, n: int = 100) -> Response:
+        return await self._admin(request, "history", n)
+
+    @api.post("/admin/brownout/override")
+    async def admin_override(self, request: Request) -> Response:
         try:
-            async for record in gen:
-                last = record
-                yield sse(text_chunk(rid, model, created, record["text"], record["finish_reason"]))
-        except Exception as err:  # noqa: BLE001
-            logger.warning("stream %s failed: %r", rid, err)
-            yield sse(RequestError(500, "generation failed", None, kind="server_error").body())
-        if include_usage and last is not None:
-            yield sse({**text_chunk(rid, model, created, ""), "choices": [],
-                       "usage": usage(last["prompt_tokens"], last["completion_tokens"])})
-        yield SSE_DONE
+            body = parse_body(await request.body(), OverrideBody, 64 * 1024)
+        except RequestError as err:
+            return err.response()
+        return await self._admin(request, "set_override", level=body.level, feature=body.feature,
+                                 enabled=body.enabled, ttl_s=body.ttl_s, note=body.note)
+
+    @api.delete("/admin/brownout/override")
+    async def admin_clear(self, request: Request, level: bool = False, feature: str | None = None) -> Response:
+        return await self._admin(request, "clear_override", level=level, feature=feature)
+
+    @api.get("/admin/brownout/enrichments")
+    async def admin_enrichments(self, request: Request) -> Response:
+        try:
+            self._admin_check(request)
+        except RequestError as err:
+            return err.response()
+        out = {}
+        for name, handle in self.enrichment_handles.items():
+            try:
+                out[name] = await handle.stats.remote()
+            except Exception as err:  # noqa: BLE001
+                out[name] = {"error": repr(err)}
+        return JSONResponse(out)
+
+    async def __del__(self) -> None:
+        for task in getattr(self, "tasks", []):
+            await task.stop()
+        if hasattr(self, "pipeline"):
+            await self.pipeline.wait_idle()

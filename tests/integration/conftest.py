@@ -42,6 +42,13 @@ class Cluster:
     tmp: Path
 
     @property
+    def data_dir(self) -> Path:
+        return self.tmp / "data"
+
+    def config(self) -> dict[str, Any]:
+        return test_config(self.http_port, self.data_dir)
+
+    @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
 
@@ -65,17 +72,23 @@ def wait_running(timeout_s: float = 300) -> dict[str, Any]:
         if app is not None and app.status == "RUNNING":
             return {"app": app}
         if app is not None and app.status == "DEPLOY_FAILED":
-            raise AssertionError(f"deploy failed: {app.message}")
+            details = {name: d.message for name, d in app.deployments.items() if d.message}
+            raise AssertionError(f"deploy failed: {app.message} {details}")
         time.sleep(1)
     raise AssertionError(f"app not RUNNING after {timeout_s}s: {status}")
 
 
-def test_config(http_port: int) -> dict[str, Any]:
-    """serve_config.yaml, unchanged but for the HTTP port."""
-    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
-    config = copy.deepcopy(config)
+def test_config(http_port: int, data_dir: Path) -> dict[str, Any]:
+    """serve_config.yaml, unchanged but for the HTTP port and a private data folder."""
+    config = copy.deepcopy(yaml.safe_load((ROOT / "serve_config.yaml").read_text()))
     config["http_options"]["port"] = http_port
+    config["applications"][0]["args"]["enrichments"]["data_dir"] = str(data_dir)
     return config
+
+
+def ingress_deployment(config: dict[str, Any]) -> dict[str, Any]:
+    (ingress,) = [d for d in config["applications"][0]["deployments"] if d["name"] == "Ingress"]
+    return ingress
 
 
 @pytest.fixture(scope="session")
@@ -110,7 +123,7 @@ def cluster() -> Iterator[Cluster]:
 @pytest.fixture(scope="session")
 def deployed(cluster: Cluster) -> Cluster:
     """serve_config.yaml deployed with `serve deploy`, RUNNING and answering."""
-    out = cluster.serve_deploy(test_config(cluster.http_port))
+    out = cluster.serve_deploy(cluster.config())
     assert out.returncode == 0, out.stderr + out.stdout
     wait_running()
     r = httpx.get(cluster.base_url + "/healthz", timeout=30)
@@ -132,6 +145,25 @@ def model_handle():  # type: ignore[no-untyped-def]
 
 def model_stats() -> dict[str, Any]:
     return model_handle().stats.remote().result(timeout_s=10)
+
+
+ENRICHMENT_DEPLOYMENTS = ("SemanticCache", "AuditLog", "Personalization", "Experiments", "Telemetry", "Enhance")
+
+
+def enrichment_counters() -> dict[str, int]:
+    """Calls per feature, as the enrichment deployments themselves count them."""
+    from ray import serve
+
+    out: dict[str, int] = {}
+    for name in ENRICHMENT_DEPLOYMENTS:
+        out.update(serve.get_deployment_handle(name, app_name=APP).counters.remote().result(timeout_s=10))
+    return out
+
+
+def policy_actor():  # type: ignore[no-untyped-def]
+    from policies.actor import get_policy_actor
+
+    return get_policy_actor()
 
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

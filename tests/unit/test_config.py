@@ -90,6 +90,8 @@ def test_bare_document_without_wrapper() -> None:
          r"unknown feature 'audit_logs'.*valid: .*audit_log"),
         ({"features": {"audit_log": {"mode": "later"}}},
          r"features\.audit_log\.mode.*'skip', 'default' or 'defer'.*'later'"),
+        ({"features": {"ab_test": {"mode": "defer"}}},
+         r"features\.ab_test\.mode: 'defer' is only for side effects \(.*audit_log"),
         ({"features": {"ab_test": {"mode": "default"}}},
          r"mode 'default' needs a 'default' value"),
         ({"level4": {"trigger": {"gpu_util": 0.9}}}, r"unknown key 'level4'"),
@@ -117,3 +119,13 @@ def test_aliases_name_registered_features_only() -> None:
         assert names and all(n in REGISTRY for n in names), alias
     assert not any(REGISTRY[n].critical for n in ALIASES["all_non_critical"])
     assert re.fullmatch(r"[a-z_]+", "all_non_critical")
+
+
+def test_serve_config_policy_is_the_default_policy() -> None:
+    """The policy in serve_config.yaml (hot-reloadable) and configs/degradation.yaml agree."""
+    import yaml
+
+    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    (ingress,) = [d for d in config["applications"][0]["deployments"] if d["name"] == "Ingress"]
+    assert ingress["user_config"]["policy"] == yaml.safe_load((ROOT / "configs" / "degradation.yaml").read_text())
+    parse_policy(ingress["user_config"]["policy"])

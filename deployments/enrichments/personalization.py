@@ -1,0 +1,102 @@
+"""Personalization: a per-user system-prompt prefix and sampling temperature from SQLite.
+
+Profiles live in ``profiles(user_id PRIMARY KEY, display_name, tone, language, temperature,
+system_prefix)``. With ``seed_demo`` an empty table is filled with ``demo_users`` deterministic
+users ``user-0000``, ``user-0001``, ... (fixed seed, ``INSERT OR IGNORE``), so seeding twice, or
+from two replicas sharing the file at once, leaves exactly one row per user.
+
+A lookup is one primary-key query in a worker thread; a single connection is shared by the
+worker threads under a lock (SQLite connections are not safe for concurrent use).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sqlite3
+import threading
+from pathlib import Path
+from typing import Any
+
+from deployments.enrichments.base import Enrichment
+
+DEMO_SEED = 20240601
+TONES = ("formal", "friendly", "terse", "playful", "patient", "technical")
+# Mostly English, as real traffic would be; the others exercise the language line of the prefix.
+LANGUAGES = ("English", "English", "English", "English", "French", "German", "Spanish")
+FIRST_NAMES = ("Ada", "Alan", "Grace", "Linus", "Margaret", "Dennis", "Barbara", "Ken", "Frances", "Edsger")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS profiles (
+    user_id TEXT PRIMARY KEY,
+    display_name TEXT NOT NULL,
+    tone TEXT NOT NULL,
+    language TEXT NOT NULL,
+    temperature REAL NOT NULL,
+    system_prefix TEXT NOT NULL
+)
+"""
+
+
+def demo_profiles(n: int, seed: int = DEMO_SEED) -> list[tuple[str, str, str, str, float, str]]:
+    """``n`` deterministic profile rows: the same ``seed`` always gives the same rows."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        name = f"{rng.choice(FIRST_NAMES)} {i:04d}"
+        tone = rng.choice(TONES)
+        language = rng.choice(LANGUAGES)
+        temperature = round(rng.uniform(0.2, 1.0), 2)
+        prefix = f"The user is {name}. Answer in a {tone} tone."
+        if language != "English":
+            prefix += f" Reply in {language}."
+        rows.append((f"user-{i:04d}", name, tone, language, temperature, prefix))
+    return rows
+
+
+class Personalization(Enrichment):
+    features = ("personalization",)
+
+    def __init__(self, db_path: Path, *, seed_demo: bool = True, demo_users: int = 1000) -> None:
+        super().__init__()
+        self.db_path = Path(db_path)
+        self.db_path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(self.db_path, check_same_thread=False, timeout=30.0)
+        with self._lock, self._db:
+            self._db.execute(_SCHEMA)
+            empty = self._db.execute("SELECT NOT EXISTS (SELECT 1 FROM profiles)").fetchone()[0]
+            if seed_demo and empty:
+                self._db.executemany(
+                    "INSERT OR IGNORE INTO profiles VALUES (?, ?, ?, ?, ?, ?)", demo_profiles(demo_users)
+                )
+        self._lookups = 0
+        self._hits = 0
+
+    async def _call(self, feature: str, payload: dict[str, Any]) -> dict[str, Any]:
+        user = payload.get("user")
+        if not isinstance(user, str) or not user:
+            return {}
+        self._lookups += 1
+        row = await asyncio.to_thread(self._fetch, user)
+        if row is None:
+            return {}
+        self._hits += 1
+        prefix, temperature = row
+        return {"system_prefix": prefix, "sampling": {"temperature": temperature}}
+
+    def _fetch(self, user: str) -> tuple[str, float] | None:
+        with self._lock:
+            return self._db.execute(
+                "SELECT system_prefix, temperature FROM profiles WHERE user_id = ?", (user,)
+            ).fetchone()
+
+    def stats(self) -> dict[str, Any]:
+        return {"lookups": self._lookups, "hits": self._hits}
+
+    async def close(self) -> None:
+        def _close() -> None:
+            with self._lock:
+                self._db.close()
+
+        await asyncio.to_thread(_close)

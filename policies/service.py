@@ -1,0 +1,240 @@
+"""PolicyCore: the policy actor's whole behaviour, without Ray, testable with a fake clock.
+
+It holds the config, the signal aggregator and the controller state; `tick()` runs `decide()`.
+Persistence (config + operator overrides + level) goes through injected ``persist``/``restore``
+callables so that a restarted actor comes back with the same policy and pins; signals and dwell
+timers are not persisted: they rebuild from fresh reports, and until then the restored level
+holds (fail-static).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import Any
+
+from policies.config import DegradationConfig, PolicyError, parse_policy
+from policies.controller import (
+    ControllerState,
+    LevelPin,
+    Transition,
+    clear_feature,
+    decide,
+    enabled_features,
+    force_feature,
+    pin_level,
+    unpin,
+)
+from policies.features import FeatureOverride, Level, OffMode
+from policies.signals import Aggregator, Report, Signals
+
+logger = logging.getLogger("brownout.policy")
+
+
+class PolicyCore:
+    """Everything the actor does, minus Ray: testable with a fake clock and a dict store."""
+
+    def __init__(
+        self,
+        config: DegradationConfig,
+        clock: Callable[[], float] = time.time,
+        forget_after_s: float = 60.0,
+        history_size: int = 1000,
+        persist: Callable[[bytes], None] | None = None,
+        restore: Callable[[], bytes | None] | None = None,
+        on_transition: Callable[[Transition], None] | None = None,
+    ) -> None:
+        self.clock = clock
+        self.config = config
+        self.state = ControllerState()
+        self.forget_after_s = forget_after_s
+        self.aggregator = Aggregator(config.stale_after_s, max(forget_after_s, config.stale_after_s))
+        self.signals = Signals(at=clock())
+        self.transitions: collections.deque[dict[str, Any]] = collections.deque(maxlen=history_size)
+        self.report_errors = 0
+        self.reports = 0
+        self.config_version = 1
+        self.last_config_error: str | None = None
+        self._persist = persist
+        self._on_transition = on_transition
+        if restore is not None:
+            self._restore(restore)
+
+    # -- persistence ---------------------------------------------------------------------------
+
+    def _snapshot(self) -> bytes:
+        pin = self.state.pin
+        return json.dumps({
+            "config": self.config.model_dump(mode="json"),
+            "config_version": self.config_version,
+            "level": int(self.state.policy_level),
+            "pin": None if pin is None else {"level": int(pin.level), "expires_at": pin.expires_at, "note": pin.note},
+            "features": [{"feature": o.feature, "enabled": o.enabled, "expires_at": o.expires_at}
+                         for o in self.state.feature_overrides.values()],
+        }).encode()
+
+    def _save(self) -> None:
+        if self._persist is None:
+            return
+        try:
+            self._persist(self._snapshot())
+        except Exception:  # noqa: BLE001 - persistence is best effort; the live state is right
+            logger.exception("could not persist policy state")
+
+    def _restore(self, restore: Callable[[], bytes | None]) -> None:
+        try:
+            raw = restore()
+            if not raw:
+                return
+            doc = json.loads(raw)
+            self.config = parse_policy(doc["config"])
+            self.config_version = doc.get("config_version", 1)
+            pin = doc.get("pin")
+            overrides = {f["feature"]: FeatureOverride(f["feature"], f["enabled"], f["expires_at"])
+                         for f in doc.get("features", [])}
+            self.state = replace(
+                self.state,
+                # The restored level holds until fresh signals say otherwise: recovery from it
+                # needs a full dwell, escalation acts at once.
+                policy_level=Level(doc.get("level", 0)),
+                last_change_at=self.clock(),
+                pin=None if pin is None else LevelPin(Level(pin["level"]), pin["expires_at"], pin.get("note", "")),
+                feature_overrides=overrides,
+            )
+            self.aggregator = Aggregator(self.config.stale_after_s, max(self.forget_after_s, self.config.stale_after_s))
+            logger.info("policy restored: level %d, pin %s, %d feature overrides",
+                        self.state.level, pin, len(overrides))
+        except Exception:  # noqa: BLE001 - a corrupt snapshot must not keep the actor down
+            logger.exception("could not restore persisted policy state; starting from the default")
+
+    # -- signals and ticks ---------------------------------------------------------------------
+
+    def report(self, source: str, values: Mapping[str, float]) -> bool:
+        try:
+            self.aggregator.add(Report(source, self.clock(), {k: float(v) for k, v in values.items()}))
+            self.reports += 1
+            return True
+        except (ValueError, TypeError):
+            self.report_errors += 1
+            logger.warning("rejected report from %s: %r", source, dict(values))
+            return False
+
+    def tick(self) -> Transition | None:
+        now = self.clock()
+        self.signals = self.aggregator.aggregate(now)
+        before_pin = self.state.pin
+        self.state, transition = decide(self.config, self.state, self.signals, now)
+        if transition is not None:
+            self._record(transition)
+        # the policy level is persisted on change (and an expired pin is dropped)
+        if transition is not None or before_pin is not self.state.pin:
+            self._save()
+        return transition
+
+    def _record(self, transition: Transition) -> None:
+        self.transitions.append(transition.to_dict())
+        logger.warning(transition.to_json())
+        if self._on_transition is not None:
+            self._on_transition(transition)
+
+    # -- operators -----------------------------------------------------------------------------
+
+    def set_override(self, *, level: int | None = None, feature: str | None = None,
+                     enabled: bool | None = None, ttl_s: float | None = None, note: str = "") -> dict[str, Any]:
+        """Pin a level, or force one feature on/off; ``ttl_s`` None means until cleared."""
+        now = self.clock()
+        try:
+            if (level is None) == (feature is None):
+                raise ValueError("give exactly one of 'level' or 'feature'")
+            if level is not None:
+                self.state, transition = pin_level(self.state, level, now, ttl_s, note, self.signals)
+                if transition is not None:
+                    self._record(transition)
+            else:
+                if enabled is None:
+                    raise ValueError("a feature override needs 'enabled': true or false")
+                self.state = force_feature(self.state, feature, enabled, now, ttl_s)  # type: ignore[arg-type]
+        except ValueError as err:
+            return {"ok": False, "error": str(err)}
+        self._save()
+        logger.warning(json.dumps({"event": "brownout_override_set", "at": now, "level": level,
+                                   "feature": feature, "enabled": enabled, "ttl_s": ttl_s, "note": note}))
+        return {"ok": True, "state": self.get_state()}
+
+    def clear_override(self, *, level: bool = False, feature: str | None = None) -> dict[str, Any]:
+        now = self.clock()
+        if level:
+            self.state, transition = unpin(self.state, now, self.signals)
+            if transition is not None:
+                self._record(transition)
+        if feature is not None:
+            self.state = clear_feature(self.state, feature)
+        self._save()
+        logger.warning(json.dumps({"event": "brownout_override_cleared", "at": now, "level": level, "feature": feature}))
+        return {"ok": True, "state": self.get_state()}
+
+    def update_config(self, document: Mapping[str, Any]) -> dict[str, Any]:
+        """Validate and swap the policy. A rejected config leaves the running one in force."""
+        try:
+            config = parse_policy(document)
+        except PolicyError as err:
+            self.last_config_error = str(err)
+            logger.error(json.dumps({"event": "brownout_config_rejected", "error": str(err)}))
+            return {"ok": False, "error": str(err), "config_version": self.config_version}
+        self.last_config_error = None
+        if config == self.config:
+            return {"ok": True, "changed": False, "config_version": self.config_version}
+        self.config = config
+        self.config_version += 1
+        self.aggregator.stale_after_s = config.stale_after_s
+        self.aggregator.forget_after_s = max(self.forget_after_s, config.stale_after_s)
+        self._save()
+        logger.warning(json.dumps({"event": "brownout_config_applied", "config_version": self.config_version}))
+        return {"ok": True, "changed": True, "config_version": self.config_version}
+
+    # -- readers -------------------------------------------------------------------------------
+
+    def view(self) -> dict[str, Any]:
+        """What request paths need, small: level, enabled features, off-modes, defaults."""
+        now = self.clock()
+        enabled = enabled_features(self.config, self.state, now)
+        return {
+            "level": int(self.state.level),
+            "enabled": sorted(enabled),
+            "modes": {f: self.config.off_mode(f).value for f in self.config.features
+                      if self.config.off_mode(f) is not OffMode.SKIP},
+            "defaults": {f: self.config.off_default(f) for f in self.config.features
+                         if self.config.off_mode(f) is OffMode.DEFAULT},
+            "config_version": self.config_version,
+            "at": now,
+        }
+
+    def get_state(self) -> dict[str, Any]:
+        now = self.clock()
+        st = self.state
+        pin = st.pin
+        return {
+            **self.view(),
+            "policy_level": int(st.policy_level),
+            "pin": None if pin is None else {"level": int(pin.level), "expires_at": pin.expires_at, "note": pin.note},
+            "feature_overrides": {k: {"enabled": o.enabled, "expires_at": o.expires_at}
+                                  for k, o in st.feature_overrides.items() if o.active(now)},
+            "signals": self.signals.to_dict(),
+            "recovery_blocked_by": sorted(st.recovery_blocked_by),
+            "calm_since": st.calm_since,
+            "last_change_at": st.last_change_at,
+            "sources": self.aggregator.sources(),
+            "reports": self.reports,
+            "report_errors": self.report_errors,
+            "last_config_error": self.last_config_error,
+            "recent_transitions": list(self.transitions)[-10:],
+        }
+
+    def history(self, n: int = 100) -> list[dict[str, Any]]:
+        return list(self.transitions)[-n:] if n > 0 else []
+
+

@@ -1,0 +1,269 @@
+"""Adaptive feature routing for real: the policy actor, enrichment deployments, bypass by level.
+
+Real Ray cluster, real vLLM engine on the tiny model, real embedding model in the semantic cache,
+real files for the audit log. The tests run in file order: pins first, then the cache, the
+deferred audit log, hot reload, and last the burst (which leaves a short-dwell policy in force).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import copy
+import random
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from deployments.enrichments.audit_log import read_all
+from policies.config import parse_policy
+from serve_app.pipeline import OPTIONAL
+from tests.integration.conftest import (
+    Cluster,
+    enrichment_counters,
+    ingress_deployment,
+    model_stats,
+    policy_actor,
+    wait_running,
+)
+
+pytestmark = pytest.mark.integration
+MODEL = "brownout-tiny"
+CHAT = "/v1/chat/completions"
+RNG = random.Random(1234)
+SYLLABLES = ["ka", "lo", "mi", "ter", "zun", "bra", "qel", "vok", "sim", "dra", "pex", "wol", "yth", "gor"]
+
+
+def gibberish(words: int = 8) -> str:
+    """Prompts unlike each other, so that the semantic cache does not answer them."""
+    return " ".join("".join(RNG.choice(SYLLABLES) for _ in range(3)) for _ in range(words))
+
+
+def chat(http: httpx.Client, content: str | None = None, user: str | None = "user-0007", **over: Any) -> httpx.Response:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content or gibberish()}],
+            "max_tokens": 8, "user": user, **over}
+    return http.post(CHAT, json=body)
+
+
+def admin(http: httpx.Client, method: str, path: str = "/admin/brownout/override", **kw: Any) -> dict[str, Any]:
+    r = http.request(method, path, **kw)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def wait_level(http: httpx.Client, level: int, timeout_s: float = 10) -> None:
+    """Until the ingress's own copy of the level is ``level`` (refreshed in the background)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state = admin(http, "GET", "/admin/brownout")
+        if state["level"] == level and state["ingress"]["snapshot_level"] == level:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"level {level} not reached: {state['level']} / {state['ingress']['snapshot_level']}")
+
+
+def settle_counters(timeout_s: float = 10) -> dict[str, int]:
+    """Counters once background side effects have stopped moving them."""
+    last, deadline = enrichment_counters(), time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        now = enrichment_counters()
+        if now == last:
+            return now
+        last = now
+    return last
+
+
+@pytest.mark.parametrize("level", [0, 1, 2, 3])
+def test_pinned_level_bypasses_exactly_its_deployments(deployed: Cluster, http: httpx.Client, level: int) -> None:
+    policy = parse_policy(ingress_deployment(deployed.config())["user_config"]["policy"])
+    off = {f for f, lv in policy.off_levels().items() if lv is not None and lv <= level}
+    admin(http, "POST", json={"level": level, "ttl_s": 120, "note": f"test pin {level}"})
+    wait_level(http, level)
+    before = settle_counters()
+    # no user: personalization and A/B are still called, and the answers may be cached
+    responses = [chat(http, user=None) for _ in range(3)]
+    after = settle_counters()
+    for r in responses:
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"]
+        assert r.headers["X-Brownout-Level"] == str(level)
+        bypassed = set(filter(None, r.headers["X-Brownout-Bypassed"].split(",")))
+        deferred = set(filter(None, r.headers.get("X-Brownout-Deferred", "").split(",")))
+        assert bypassed | deferred == off
+        assert deferred == ({"audit_log"} & off)
+    delta = {f: after.get(f, 0) - before.get(f, 0) for f in OPTIONAL}
+    for feature in OPTIONAL:
+        if feature in off:
+            assert delta[feature] == 0, (feature, delta)
+        else:
+            assert delta[feature] >= 3, (feature, delta)
+    if "ab_test" in off:
+        assert responses[0].headers["X-Brownout-Experiment"].endswith("=excluded")
+    admin(http, "DELETE", params={"level": "true"})
+
+
+def test_semantic_cache_hit_skips_the_model(deployed: Cluster, http: httpx.Client) -> None:
+    wait_level(http, 0)
+    question = gibberish(10)
+    first = chat(http, question, user=None)
+    assert first.status_code == 200 and "X-Brownout-Cache" not in first.headers
+    settle_counters()  # the cache write runs after the response
+    served = model_stats()["requests_total"]
+    second = chat(http, question, user=None)
+    assert second.status_code == 200 and second.headers["X-Brownout-Cache"] == "hit"
+    assert second.json()["choices"][0]["message"]["content"] == first.json()["choices"][0]["message"]["content"]
+    assert model_stats()["requests_total"] == served
+
+
+def test_deferred_audit_records_all_arrive_once_the_level_drops(deployed: Cluster, http: httpx.Client) -> None:
+    audit_dir = deployed.data_dir / "audit"
+    settle_counters()
+    logged_before = len(read_all(audit_dir))
+    calls_before = enrichment_counters()["audit_log"]
+    admin(http, "POST", json={"level": 3, "ttl_s": 120})
+    wait_level(http, 3)
+    ids = []
+    for _ in range(12):
+        r = chat(http)
+        assert r.status_code == 200 and r.headers["X-Brownout-Deferred"] == "audit_log"
+        ids.append(r.headers["x-request-id"])
+    time.sleep(1.0)
+    assert enrichment_counters()["audit_log"] == calls_before  # no call while deferred
+    state = admin(http, "GET", "/admin/brownout")
+    assert state["ingress"]["pipeline"]["spool_pending"]["audit_log"] >= 12
+    admin(http, "DELETE", params={"level": "true"})
+    wait_level(http, 0)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        records = read_all(audit_dir)
+        if len(records) >= logged_before + 12:
+            break
+        time.sleep(0.5)
+    new = [r["request_id"] for r in records[logged_before:]]
+    assert [i for i in new if i in ids] == ids  # count in = count out, in order
+    assert admin(http, "GET", "/admin/brownout")["ingress"]["pipeline"]["spool_pending"]["audit_log"] == 0
+
+
+def _pids() -> dict[str, int]:
+    from ray import serve
+
+    from tests.integration.conftest import ENRICHMENT_DEPLOYMENTS
+
+    pids = {"VLLMModel": model_stats()["pid"]}
+    for name in ENRICHMENT_DEPLOYMENTS:
+        pids[name] = serve.get_deployment_handle(name, app_name="brownout").stats.remote().result(timeout_s=10)["pid"]
+    return pids
+
+
+def test_serve_deploy_hot_reloads_the_policy_without_restarts(deployed: Cluster, http: httpx.Client) -> None:
+    actor = policy_actor()
+    import ray
+
+    pids = _pids()
+    ingress_pid = admin(http, "GET", "/admin/brownout")["ingress"]["pid"]
+    config = deployed.config()
+    policy = ingress_deployment(config)["user_config"]["policy"]["degradation"]
+    policy["level1"]["trigger"]["queue_length"] = 6
+    out = deployed.serve_deploy(config, "changed.yaml")
+    assert out.returncode == 0, out.stderr
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        current = ray.get(actor.get_config.remote())["config"]
+        if current["level1"]["trigger"]["queue_length"] == 6:
+            break
+        time.sleep(0.25)
+    assert current["level1"]["trigger"]["queue_length"] == 6
+    wait_running()
+    assert _pids() == pids and admin(http, "GET", "/admin/brownout")["ingress"]["pid"] == ingress_pid
+
+    bad = copy.deepcopy(config)
+    ingress_deployment(bad)["user_config"]["policy"]["degradation"]["level1"]["recover"]["queue_length"] = 50
+    out = deployed.serve_deploy(bad, "bad.yaml")
+    assert out.returncode == 0, out.stderr
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        err = admin(http, "GET", "/admin/brownout")["ingress"]["last_policy_error"]
+        if err:
+            break
+        time.sleep(0.25)
+    assert err and "level1.recover.queue_length: 50" in err
+    assert ray.get(actor.get_config.remote())["config"]["level1"]["trigger"]["queue_length"] == 6
+    assert _pids() == pids
+
+
+def test_admin_api_rejects_bad_overrides(http: httpx.Client) -> None:
+    r = http.post("/admin/brownout/override", json={"feature": "model", "enabled": False})
+    assert r.status_code == 400 and "critical" in r.json()["error"]["message"]
+    r = http.post("/admin/brownout/override", json={"level": 7})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "level"
+    r = http.post("/admin/brownout/override", json={"feature": "ab_tset", "enabled": True})
+    assert r.status_code == 400 and "unknown feature 'ab_tset'" in r.json()["error"]["message"]
+
+
+def test_burst_escalates_fast_and_recovers_one_step_per_dwell(deployed: Cluster, http: httpx.Client) -> None:
+    import ray
+
+    actor = policy_actor()
+    config = deployed.config()
+    doc = ingress_deployment(config)["user_config"]["policy"]["degradation"]
+    dwell_s = 2.0
+    for key in ("level1", "level2", "level3"):
+        doc[key]["recover_dwell_s"] = dwell_s
+        doc[key]["cooldown_s"] = 1.0
+    doc["level1"]["trigger"] = {"queue_length": 4}
+    doc["level1"]["recover"] = {"queue_length": 1}
+    doc["level2"]["trigger"] = {"queue_length": 12}
+    doc["level2"]["recover"] = {"queue_length": 2}
+    doc["level3"]["trigger"] = {"queue_length": 1000}
+    doc["level3"]["recover"] = {"queue_length": 3}
+    assert deployed.serve_deploy(config, "burst.yaml").returncode == 0
+    deadline = time.monotonic() + 20
+    while ray.get(actor.get_config.remote())["config"]["level1"]["trigger"] != {"queue_length": 4.0}:
+        assert time.monotonic() < deadline
+        time.sleep(0.25)
+    wait_level(http, 0)
+    t_start = time.time()
+
+    def one() -> int:
+        with httpx.Client(base_url=deployed.base_url, timeout=120) as c:
+            return chat(c, max_tokens=96, ignore_eos=True).status_code
+
+    # The model replica's own stats call would queue behind the burst (its max_ongoing_requests
+    # is full), so the queue is watched where the policy sees it: the model's reports, stamped on
+    # arrival at the actor, at most report_s (0.25 s) after vLLM's scheduler counted them.
+    crossed_at = level_at = None
+    with cf.ThreadPoolExecutor(max_workers=40) as pool:
+        futures = [pool.submit(one) for _ in range(40)]
+        with httpx.Client(base_url=deployed.base_url, timeout=10) as watcher:
+            while not all(f.done() for f in futures):
+                state = admin(watcher, "GET", "/admin/brownout")
+                now = time.time()
+                if crossed_at is None and state["signals"]["values"].get("queue_length", 0) >= 4:
+                    crossed_at = now
+                if level_at is None and state["ingress"]["snapshot_level"] >= 1:
+                    level_at = now  # the ingress itself now sheds level-1 features
+                time.sleep(0.05)
+        codes = [f.result() for f in futures]
+    assert crossed_at is not None, "the burst never filled the model's queue"
+    assert level_at is not None and level_at - crossed_at <= 2.0 - 0.25, (crossed_at, level_at)
+    assert codes.count(200) >= 30, codes
+
+    history = [t for t in ray.get(actor.history.remote(200)) if t["at"] >= t_start]
+    up = next(t for t in history if t["to"] >= 1)
+    assert up["reason"]["signal"] == "queue_length" and up["reason"]["value"] >= 4
+
+    deadline = time.monotonic() + 60
+    while admin(http, "GET", "/admin/brownout")["level"] != 0:
+        assert time.monotonic() < deadline, "did not recover"
+        time.sleep(0.25)
+    history = [t for t in ray.get(actor.history.remote(200)) if t["at"] >= t_start]
+    peak = max(range(len(history)), key=lambda i: history[i]["to"])
+    downs = history[peak + 1:]
+    assert downs and all(t["from"] - t["to"] == 1 for t in downs), downs
+    assert all(t["reason"]["kind"] == "recover" for t in downs)
+    for a, b in zip(downs, downs[1:]):
+        assert b["at"] - a["at"] >= dwell_s - 0.05
+    state = admin(http, "GET", "/admin/brownout")
+    assert set(OPTIONAL) <= set(state["enabled"])

@@ -1,0 +1,111 @@
+"""PolicyCore (the policy actor's behaviour without Ray): reports, ticks, overrides, persistence."""
+
+from __future__ import annotations
+
+import json
+
+from policies.config import parse_policy
+from policies.service import PolicyCore
+from tests.fakes.clock import FakeClock
+
+POLICY = {
+    "stale_after_s": 2,
+    "level1": {"trigger": {"queue_length": 4}, "recover": {"queue_length": 1},
+               "recover_dwell_s": 3, "cooldown_s": 1, "disable": ["debug_capture"]},
+    "level2": {"trigger": {"queue_length": 16}, "recover_dwell_s": 3, "cooldown_s": 1,
+               "disable": ["ab_test"]},
+    "level3": {"trigger": {"queue_length": 48}, "recover_dwell_s": 3, "cooldown_s": 1,
+               "disable": ["all_non_critical"]},
+    "features": {"audit_log": {"mode": "defer"}},
+}
+
+
+def core(clock: FakeClock, store: dict | None = None) -> PolicyCore:
+    store = store if store is not None else {}
+    return PolicyCore(parse_policy(POLICY), clock=clock, persist=lambda b: store.__setitem__("k", b),
+                      restore=lambda: store.get("k"))
+
+
+def test_reports_drive_the_level_up_and_stepwise_down() -> None:
+    clock = FakeClock()
+    c = core(clock)
+    c.report("model:a", {"queue_length": 20})
+    tr = c.tick()
+    assert tr is not None and c.view()["level"] == 2
+    assert "ab_test" not in c.view()["enabled"] and "debug_capture" not in c.view()["enabled"]
+    levels = []
+    for _ in range(40):
+        clock.advance(0.25)
+        c.report("model:a", {"queue_length": 0})
+        c.tick()
+        levels.append(c.view()["level"])
+    assert levels[-1] == 0
+    assert [lv for i, lv in enumerate(levels) if i == 0 or levels[i - 1] != lv] == [2, 1, 0]
+    assert [t["to"] for t in c.history()] == [2, 1, 0]
+    assert c.view()["modes"] == {"audit_log": "defer"}
+
+
+def test_unknown_signal_is_counted_not_raised() -> None:
+    c = core(FakeClock())
+    assert c.report("x", {"queue_lenght": 3}) is False
+    assert c.report_errors == 1
+
+
+def test_stale_model_report_holds_the_level() -> None:
+    clock = FakeClock()
+    c = core(clock)
+    c.report("model:a", {"queue_length": 5})
+    c.tick()
+    assert c.view()["level"] == 1
+    clock.advance(3)  # the model's report is now stale (stale_after_s 2)
+    c.report("ingress:a", {"inflight": 0})
+    for _ in range(20):
+        clock.advance(0.5)
+        c.report("ingress:a", {"inflight": 0})
+        c.tick()
+    assert c.view()["level"] == 1
+    assert c.get_state()["recovery_blocked_by"] == ["queue_length"]
+
+
+def test_rejected_config_keeps_the_running_one() -> None:
+    c = core(FakeClock())
+    before = c.config
+    out = c.update_config({"level1": {"trigger": {"queue_length": 4}, "recover": {"queue_length": 9}}})
+    assert out["ok"] is False and "level1.recover.queue_length: 9" in out["error"]
+    assert c.config is before and c.last_config_error
+    out = c.update_config({**POLICY, "level1": {**POLICY["level1"], "trigger": {"queue_length": 6}}})
+    assert out == {"ok": True, "changed": True, "config_version": 2}
+    assert c.config.trigger_thresholds(1) == {"queue_length": 6}
+    assert c.update_config({**POLICY, "level1": {**POLICY["level1"], "trigger": {"queue_length": 6}}})["changed"] is False
+
+
+def test_override_validation_errors_are_returned() -> None:
+    c = core(FakeClock())
+    assert c.set_override(level=9)["ok"] is False
+    assert "exactly one" in c.set_override(level=1, feature="ab_test", enabled=True)["error"]
+    assert "needs 'enabled'" in c.set_override(feature="ab_test")["error"]
+    assert "critical" in c.set_override(feature="model", enabled=False)["error"]
+
+
+def test_restart_restores_config_pin_and_feature_overrides() -> None:
+    clock, store = FakeClock(), {}
+    c = core(clock, store)
+    c.update_config({**POLICY, "stale_after_s": 3})
+    c.set_override(level=3, ttl_s=100, note="incident 42")
+    c.set_override(feature="debug_capture", enabled=True)
+    saved = json.loads(store["k"])
+    assert saved["pin"]["level"] == 3
+
+    clock.advance(1)
+    again = core(clock, store)  # what Ray's restart of the actor does
+    assert again.config.stale_after_s == 3 and again.config_version == 2
+    assert again.view()["level"] == 3 and again.get_state()["pin"]["note"] == "incident 42"
+    assert "debug_capture" in again.view()["enabled"]
+    clock.advance(100)
+    again.tick()
+    assert again.get_state()["pin"] is None
+
+
+def test_corrupt_snapshot_starts_from_given_config() -> None:
+    c = PolicyCore(parse_policy(POLICY), clock=FakeClock(), restore=lambda: b"{not json")
+    assert c.view()["level"] == 0 and c.config == parse_policy(POLICY)
