@@ -29,6 +29,7 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+from ray.serve.metrics import Counter as ServeCounter
 from starlette.background import BackgroundTask
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -176,6 +177,8 @@ class Ingress:
         source = replica_source("Ingress")
         spool_root = Path(spool_dir).expanduser() if spool_dir else None
         rank = _replica_rank()
+        outcomes = ServeCounter("brownout_stage_outcomes", "Optional stages not run as asked, by outcome",
+                                tag_keys=("feature", "outcome"))
         self.pipeline = Pipeline(
             _stage_caller(handles, routes),
             (lambda feature: DurableSpool(spool_root, f"{feature}-ingress{rank}")) if spool_root else None,
@@ -183,6 +186,7 @@ class Ingress:
             default_timeout_s=self.settings.stage_timeout_s,
             experiment=self.settings.experiment,
             available=frozenset(routes),
+            on_outcome=lambda feature, outcome: outcomes.inc(tags={"feature": feature, "outcome": outcome}),
         )
         self.snapshot = LevelSnapshot()
         self.enrichment_handles = handles
@@ -355,6 +359,7 @@ class Ingress:
             doc = (chat_chunk(rid, model, created, {}) if chat else text_chunk(rid, model, created, ""))
             yield sse({**doc, "choices": [], "usage": usage(last["prompt_tokens"], last["completion_tokens"])})
         yield SSE_DONE
+        self.latency_ms.add((time.monotonic() - ctx.started) * 1000.0)
         record = self.pipeline.record(ctx, None, "".join(parts), last["finish_reason"],
                                       usage(last["prompt_tokens"], last["completion_tokens"]))
         self.pipeline.side_effects(ctx, record)
@@ -377,7 +382,8 @@ class Ingress:
                 echo = body.prompt_text() if body.echo else ""
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             response = await self._serve(ctx, body.stream, include_usage, chat, echo)
-            self.latency_ms.add((time.monotonic() - started) * 1000.0)
+            if not body.stream:  # a stream's latency is taken when its last byte is out
+                self.latency_ms.add((time.monotonic() - started) * 1000.0)
             return response
         except RequestError as err:
             return err.response({"X-Brownout-Level": str(self.snapshot.level)})

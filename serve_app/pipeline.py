@@ -163,8 +163,12 @@ class Pipeline:
         default_timeout_s: float = 1.0,
         experiment: str | None = None,
         available: frozenset[str] | None = None,
+        on_outcome: Callable[[str, str], None] | None = None,
     ) -> None:
         self._call = call
+        # (feature, "bypassed" | "failed" | "deferred"): a metrics hook, so an operator sees how
+        # often each feature is degraded (and may reconsider one degraded too often)
+        self._on_outcome = on_outcome or (lambda feature, outcome: None)
         # features this deployment has an enrichment for; others are simply not part of it
         self.available = frozenset(OPTIONAL) if available is None else frozenset(available)
         self._spool_for = spool_for
@@ -191,11 +195,13 @@ class Pipeline:
             raise
         except Exception as err:  # noqa: BLE001 - a failed optional stage never fails the request
             self.failures[feature] += 1
+            self._on_outcome(feature, "failed")
             logger.warning("stage %s bypassed for this request: %r", feature, err)
             return None
 
     def _skip(self, ctx: RequestContext, feature: str) -> None:
         self.bypassed[feature] += 1
+        self._on_outcome(feature, "bypassed")
         ctx.bypassed.append(feature)
 
     # -- pre -----------------------------------------------------------------------------------
@@ -296,6 +302,7 @@ class Pipeline:
     async def _defer(self, feature: str, record: dict[str, Any]) -> None:
         await asyncio.to_thread(self.spool(feature).append, record)
         self.deferred[feature] += 1
+        self._on_outcome(feature, "deferred")
 
     async def _deliver(self, feature: str, records: list[dict[str, Any]]) -> bool:
         """Hand records to the stage: the audit log takes a batch, the others one at a time."""

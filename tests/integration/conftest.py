@@ -40,6 +40,7 @@ class Cluster:
     dashboard_url: str
     http_port: int
     tmp: Path
+    metrics_port: int
 
     @property
     def data_dir(self) -> Path:
@@ -96,7 +97,7 @@ def cluster() -> Iterator[Cluster]:
     import ray
 
     tmp = Path(tempfile.mkdtemp(prefix="bo-", dir="/tmp"))
-    dash = free_port()
+    dash, metrics = free_port(), free_port()
     ray.init(
         address="local",
         num_cpus=2,
@@ -105,9 +106,10 @@ def cluster() -> Iterator[Cluster]:
         dashboard_port=dash,
         _temp_dir=str(tmp / "ray"),
         _system_config={"metrics_report_interval_ms": 1000},
+        _metrics_export_port=metrics,
         log_to_driver=False,
     )
-    c = Cluster(f"http://127.0.0.1:{dash}", free_port(), tmp)
+    c = Cluster(f"http://127.0.0.1:{dash}", free_port(), tmp, metrics)
     try:
         yield c
     finally:

@@ -202,6 +202,46 @@ def test_admin_api_rejects_bad_overrides(http: httpx.Client) -> None:
     assert r.status_code == 400 and "unknown feature 'ab_tset'" in r.json()["error"]["message"]
 
 
+def test_policy_actor_restart_keeps_config_and_pins(deployed: Cluster, http: httpx.Client) -> None:
+    import ray
+
+    actor = policy_actor()
+    admin(http, "POST", json={"level": 2, "ttl_s": 300, "note": "before restart"})
+    admin(http, "POST", json={"feature": "debug_capture", "enabled": True, "ttl_s": 300})
+    version = ray.get(actor.get_config.remote())["config_version"]
+    old_pid = ray.get(actor.__ray_call__.remote(lambda self: __import__("os").getpid()))
+    ray.kill(actor, no_restart=False)  # Ray restarts it (max_restarts=-1)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            state = ray.get(actor.get_state.remote(), timeout=5)
+            break
+        except Exception:
+            assert time.monotonic() < deadline, "actor did not come back"
+            time.sleep(0.5)
+    assert ray.get(actor.__ray_call__.remote(lambda self: __import__("os").getpid())) != old_pid
+    assert state["pin"]["level"] == 2 and state["pin"]["note"] == "before restart"
+    assert state["feature_overrides"]["debug_capture"]["enabled"] is True
+    assert ray.get(actor.get_config.remote())["config_version"] == version
+    # requests kept flowing meanwhile on the ingress's last known level
+    r = chat(http)
+    assert r.status_code == 200 and r.headers["X-Brownout-Level"] == "2"
+    admin(http, "DELETE", params={"level": "true", "feature": "debug_capture"})
+    wait_level(http, 0)
+
+
+def test_level_and_features_are_prometheus_metrics(deployed: Cluster) -> None:
+    deadline = time.monotonic() + 30
+    text = ""
+    while time.monotonic() < deadline:
+        text = httpx.get(f"http://127.0.0.1:{deployed.metrics_port}/metrics", timeout=10).text
+        if "ray_brownout_level" in text and "ray_brownout_feature_enabled" in text:
+            break
+        time.sleep(1)
+    assert "ray_brownout_level" in text
+    assert 'ray_brownout_feature_enabled{' in text and 'feature="audit_log"' in text
+
+
 def test_burst_escalates_fast_and_recovers_one_step_per_dwell(deployed: Cluster, http: httpx.Client) -> None:
     import ray
 
