@@ -35,7 +35,7 @@ def main() -> None:
     state = ControllerState()
     totals, aggs, decides = [], [], []
     now = 1000.0
-    for i in range(args.repeats):
+    for _ in range(args.repeats):
         now += 0.25
         # every replica sends a fresh report with all eight signals each round
         for r in range(args.reports):

@@ -315,7 +315,7 @@ class Ingress:
 
         text = await self.pipeline.post(ctx, result["text"])
         self.pipeline.plan_side_effects(ctx)
-        record = self.pipeline.record(ctx, None, text, result["finish_reason"],
+        record = self.pipeline.record(ctx, text, result["finish_reason"],
                                       usage(result["prompt_tokens"], result["completion_tokens"]))
         build = chat_completion if chat else text_completion
         doc = build(rid, self.served_model_name, echo_prefix + text, result["finish_reason"],
@@ -360,7 +360,7 @@ class Ingress:
             yield sse({**doc, "choices": [], "usage": usage(last["prompt_tokens"], last["completion_tokens"])})
         yield SSE_DONE
         self.latency_ms.add((time.monotonic() - ctx.started) * 1000.0)
-        record = self.pipeline.record(ctx, None, "".join(parts), last["finish_reason"],
+        record = self.pipeline.record(ctx, "".join(parts), last["finish_reason"],
                                       usage(last["prompt_tokens"], last["completion_tokens"]))
         self.pipeline.side_effects(ctx, record)
 

@@ -252,11 +252,12 @@ class Pipeline:
             else:
                 self._skip(ctx, feature)
 
-    def record(self, ctx: RequestContext, prompt: str | None, text: str, finish: str | None,
+    def record(self, ctx: RequestContext, text: str, finish: str | None,
                usage: Mapping[str, int]) -> dict[str, Any]:
+        """The finished request, as side effects receive it (see the Enrichment contract)."""
         return {
             "request_id": ctx.request_id, "at": time.time(), "user": ctx.user, "key_text": ctx.key_text,
-            "prompt": prompt if prompt is not None else (ctx.prompt if ctx.messages is None else ctx.messages),
+            "prompt": ctx.prompt if ctx.messages is None else ctx.messages,
             "sampling": ctx.sampling, "response": {"text": text, "finish_reason": finish},
             "usage": dict(usage), "latency_ms": (time.monotonic() - ctx.started) * 1000.0,
             "level": ctx.snapshot.level, "variant": ctx.variant, "experiment": ctx.experiment,

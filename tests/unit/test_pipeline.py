@@ -61,7 +61,7 @@ def test_disabled_stages_get_no_call_and_are_disclosed(level: int, off: set[str]
     text = run(p.post(c, "answer"))
 
     async def effects() -> None:
-        p.side_effects(c, p.record(c, None, text, "stop", {"prompt_tokens": 1, "completion_tokens": 1}))
+        p.side_effects(c, p.record(c, text, "stop", {"prompt_tokens": 1, "completion_tokens": 1}))
         await p.wait_idle()
 
     run(effects())
@@ -107,14 +107,14 @@ def test_deferred_audit_records_come_out_in_order_when_allowed(tmp_path: Path) -
             c.request_id = f"r{i}"
             p.plan_side_effects(c)
             assert c.deferred == ["audit_log"] and "audit_log" not in c.bypassed
-            p.side_effects(c, p.record(c, None, "x", "stop", {}))
+            p.side_effects(c, p.record(c, "x", "stop", {}))
             await p.wait_idle()
         assert stages.calls["audit_log"] == 0 and p.pending("audit_log") == 25
         # level drops: a new record queues behind the spooled ones, then all drain in order
         c = ctx(on)
         c.request_id = "r25"
         p.plan_side_effects(c)
-        p.side_effects(c, p.record(c, None, "x", "stop", {}))
+        p.side_effects(c, p.record(c, "x", "stop", {}))
         await p.wait_idle()
         await p.drain("audit_log")
 
