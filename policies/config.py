@@ -267,9 +267,6 @@ class DegradationConfig(_Strict):
         cfg = self.features.get(feature)
         return cfg.default if cfg else None
 
-    def signals_used(self) -> frozenset[str]:
-        return frozenset(s for lv in (1, 2, 3) for s in self.trigger_thresholds(lv))
-
     def dwell_s(self, level: int) -> float:
         lvl = self.level(level)
         return lvl.recover_dwell_s if lvl else LevelConfig().recover_dwell_s

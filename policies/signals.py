@@ -24,7 +24,7 @@ No clock is read here: every method takes ``now``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -100,10 +100,6 @@ class Aggregator:
         held = self._latest.get(report.source)
         if held is None or report.at >= held.at:
             self._latest[report.source] = report
-
-    def extend(self, reports: Iterable[Report]) -> None:
-        for report in reports:
-            self.add(report)
 
     def sources(self) -> list[str]:
         return sorted(self._latest)
