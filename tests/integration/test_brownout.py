@@ -150,6 +150,42 @@ def test_deferred_audit_records_all_arrive_once_the_level_drops(deployed: Cluste
     assert admin(http, "GET", "/admin/brownout")["ingress"]["pipeline"]["spool_pending"]["audit_log"] == 0
 
 
+def test_deferred_audit_records_survive_an_ingress_restart(deployed: Cluster, http: httpx.Client) -> None:
+    """Records spooled by one ingress replica are written out by the replica that replaces it."""
+    import ray
+
+    audit_dir = deployed.data_dir / "audit"
+    settle_counters()
+    logged_before = len(read_all(audit_dir))
+    admin(http, "POST", json={"level": 3, "ttl_s": 300})
+    wait_level(http, 3)
+    ids = [chat(http).headers["x-request-id"] for _ in range(5)]
+    time.sleep(1.0)  # the spool appends run after each response
+    old_pid = admin(http, "GET", "/admin/brownout")["ingress"]["pid"]
+    (name,) = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+               if a["name"].startswith("SERVE_REPLICA::brownout#Ingress#")]
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)  # Serve starts a new one
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            state = http.get("/admin/brownout").json()
+            if state["ingress"]["pid"] != old_pid:
+                break
+        except (httpx.HTTPError, KeyError, ValueError):
+            pass
+        assert time.monotonic() < deadline, "no new ingress replica"
+        time.sleep(0.5)
+    admin(http, "DELETE", params={"level": "true"})
+    wait_level(http, 0)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        written = [r["request_id"] for r in read_all(audit_dir)[logged_before:]]
+        if all(i in written for i in ids):
+            break
+        time.sleep(0.5)
+    assert [i for i in written if i in ids] == ids
+
+
 def _pids() -> dict[str, int]:
     from ray import serve
 
