@@ -115,7 +115,7 @@ class VLLMModel:
             return
         except StopAsyncIteration:
             return
-        yield {"type": "start", "prompt": prompt if request.get("echo_prompt") else None}
+        yield {"type": "start"}
         yield {"type": "delta", **asdict(first)}
         async for delta in stream:
             yield {"type": "delta", **asdict(delta)}
@@ -124,12 +124,10 @@ class VLLMModel:
         """The whole completion as one record: ``text``, token counts, ``finish_reason``."""
         parts: list[str] = []
         last: dict[str, Any] | None = None
-        prompt: str | None = None
         async for record in self.generate_stream(request):
             if record["type"] == "error":
                 return record
             if record["type"] == "start":
-                prompt = record["prompt"]
                 continue
             parts.append(record["text"])
             last = record
@@ -137,7 +135,6 @@ class VLLMModel:
         return {
             "type": "result",
             "text": "".join(parts),
-            "prompt": prompt,
             "prompt_tokens": last["prompt_tokens"],
             "completion_tokens": last["completion_tokens"],
             "finish_reason": last["finish_reason"],

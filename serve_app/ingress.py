@@ -42,6 +42,7 @@ from serve_app.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
     RequestError,
+    body_too_large,
     chat_chunk,
     chat_completion,
     new_id,
@@ -254,8 +255,8 @@ class Ingress:
     async def _parse(self, request: Request, schema: type) -> Any:
         length = request.headers.get("content-length")
         if length and length.isdigit() and int(length) > self.limits.max_body_bytes:
-            raise RequestError(413, f"request body is {length} bytes; the limit is "
-                               f"{self.limits.max_body_bytes} (max_body_bytes)", None)
+            # refuse before reading the body at all
+            raise body_too_large(int(length), self.limits.max_body_bytes)
         body = parse_body(await request.body(), schema, self.limits.max_body_bytes)
         if body.model != self.served_model_name:
             raise RequestError(404, f"model {body.model!r} does not exist; available: "

@@ -113,10 +113,14 @@ class RequestError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers={**self.headers, **(extra_headers or {})})
 
 
+def body_too_large(size: int, max_body_bytes: int) -> RequestError:
+    return RequestError(413, f"request body is {size} bytes; the limit is {max_body_bytes} (max_body_bytes)", None)
+
+
 def parse_body(raw: bytes, schema: type[_Req], max_body_bytes: int) -> Any:
     """Size check, JSON decode and schema validation, each failure a `RequestError`."""
     if len(raw) > max_body_bytes:
-        raise RequestError(413, f"request body is {len(raw)} bytes; the limit is {max_body_bytes} (max_body_bytes)", None)
+        raise body_too_large(len(raw), max_body_bytes)
     try:
         doc = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:

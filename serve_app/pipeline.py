@@ -324,7 +324,7 @@ class Pipeline:
             await self._defer(feature, record)
             await self.drain(feature)
             return
-        if not await self._deliver(feature, [record]) and feature in self.spools:
+        if not await self._deliver(feature, [record]):
             await self._defer(feature, record)  # unreachable stage: keep a record that must not be lost
 
     async def drain(self, feature: str, batch: int = 256) -> int:
