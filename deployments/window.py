@@ -4,9 +4,26 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-__all__ = ["SlidingWindow"]
+__all__ = ["SlidingWindow", "percentile"]
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile (0-100) of ``values``, linear between closest ranks.
+
+    Same rule as ``numpy.percentile``'s default ("linear"); ``None`` for no values. The one
+    percentile of the project: replicas' windows, the benchmark's reports and the tests use it.
+    """
+    if not 0.0 <= q <= 100.0:
+        raise ValueError(f"q={q} must be within [0, 100]")
+    ordered = sorted(values)
+    if not ordered:
+        return None
+    rank = (len(ordered) - 1) * q / 100.0
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 class SlidingWindow:
@@ -52,19 +69,8 @@ class SlidingWindow:
         return sum(values) / len(values) if values else None
 
     def percentile(self, q: float) -> float | None:
-        """The ``q``-th percentile (0-100) with linear interpolation between closest ranks.
-
-        Same rule as ``numpy.percentile``'s default ("linear"). ``None`` if the window is empty.
-        """
-        if not 0.0 <= q <= 100.0:
-            raise ValueError(f"q={q} must be within [0, 100]")
-        values = sorted(self.values())
-        if not values:
-            return None
-        rank = (len(values) - 1) * q / 100.0
-        low = math.floor(rank)
-        high = min(low + 1, len(values) - 1)
-        return values[low] + (values[high] - values[low]) * (rank - low)
+        """`percentile` of the samples in the window; ``None`` if it is empty."""
+        return percentile(self.values(), q)
 
     def _evict(self, now: float) -> None:
         horizon = now - self.window_s

@@ -12,6 +12,24 @@ METRICS_PORT="${BROWNOUT_METRICS_PORT:-8080}"
 HTTP_PORT=$(.venv/bin/python -c "import yaml;print(yaml.safe_load(open('serve_config.yaml'))['http_options']['port'])")
 # Ray 2.60 turns on token auth for `ray start`; the CLI clients must be told to send the token.
 export HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=token
+DASH_URL="http://127.0.0.1:$DASHBOARD_PORT"
+
+healthy() { curl -fsS --max-time 5 "http://127.0.0.1:$HTTP_PORT/healthz" >/dev/null 2>&1; }
+
+# The token that the cluster, the CLI and `ray.init(address="auto")` share. On a machine that has
+# never run Ray there is none, and `ray start` in token mode refuses to start without it. Ray's
+# own default place (~/.ray/auth_token, mode 0600) is where every Ray client looks for it.
+if ! .venv/bin/ray get-auth-token >/dev/null 2>&1; then
+  echo "brownout: creating Ray's cluster token (~/.ray/auth_token)"
+  .venv/bin/ray get-auth-token --generate >/dev/null
+  chmod 600 "$HOME/.ray/auth_token" 2>/dev/null || true
+fi
+
+if .venv/bin/ray status --address "127.0.0.1:${BROWNOUT_GCS_PORT:-6380}" >/dev/null 2>&1 && healthy; then
+  echo "brownout: already serving on http://127.0.0.1:$HTTP_PORT (left as it is; \`make stop\` ends it,"
+  echo "          \`.venv/bin/serve deploy serve_config.yaml --address $DASH_URL\` applies a changed config)"
+  exit 0
+fi
 
 echo "brownout: building the embedded tiny model (once; cached)"
 .venv/bin/python -m deployments.tiny_model
@@ -24,17 +42,17 @@ if ! .venv/bin/ray status --address "127.0.0.1:${BROWNOUT_GCS_PORT:-6380}" >/dev
 fi
 
 echo "brownout: serve deploy serve_config.yaml"
-.venv/bin/serve deploy serve_config.yaml --address "http://127.0.0.1:$DASHBOARD_PORT"
+.venv/bin/serve deploy serve_config.yaml --address "$DASH_URL"
 
 echo -n "brownout: waiting for the app to be healthy"
 for _ in $(seq 1 180); do
-  if curl -fsS "http://127.0.0.1:$HTTP_PORT/healthz" >/dev/null 2>&1; then echo " ok"; break; fi
-  if .venv/bin/serve status --address "http://127.0.0.1:$DASHBOARD_PORT" 2>/dev/null | grep -q DEPLOY_FAILED; then
-    echo; .venv/bin/serve status --address "http://127.0.0.1:$DASHBOARD_PORT"; exit 1
+  if healthy; then echo " ok"; break; fi
+  if .venv/bin/serve status --address "$DASH_URL" 2>/dev/null | grep -q DEPLOY_FAILED; then
+    echo; .venv/bin/serve status --address "$DASH_URL"; exit 1
   fi
   echo -n .; sleep 2
 done
-curl -fsS "http://127.0.0.1:$HTTP_PORT/healthz" >/dev/null || { echo " not healthy after 6 min"; exit 1; }
+healthy || { echo " not healthy after 6 min"; exit 1; }
 
 cat <<MSG
 

@@ -1,0 +1,153 @@
+"""Replica <-> actor plumbing: failures counted and never raised into the caller's loop."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from deployments.reporting import ActorLink, PeriodicTask, signal_reporter
+
+
+class _Ref:
+    def __init__(self, fn: Any, *args: Any, **kwargs: Any) -> None:
+        self._fn, self._args, self._kwargs = fn, args, kwargs
+
+    def __await__(self) -> Any:
+        return self._fn(*self._args, **self._kwargs).__await__()
+
+
+class _Method:
+    def __init__(self, fn: Any) -> None:
+        self._fn = fn
+
+    def remote(self, *args: Any, **kwargs: Any) -> _Ref:
+        return _Ref(self._fn, *args, **kwargs)
+
+
+class FakeActor:
+    """A handle shaped like Ray's: ``handle.method.remote(...)`` gives an awaitable."""
+
+    def __init__(self) -> None:
+        self.reports: list[tuple[str, dict[str, float]]] = []
+        self.error: Exception | None = None
+        self.delay_s = 0.0
+
+    def __getattr__(self, name: str) -> _Method:
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
+            if self.error is not None:
+                raise self.error
+            if name == "report":
+                self.reports.append(args)
+            return {"ok": True, "method": name}
+
+        return _Method(call)
+
+
+class ActorDiedError(Exception):
+    """Named like Ray's: the link treats it as "resolve the actor again"."""
+
+
+def test_link_calls_and_resolves_once() -> None:
+    resolved: list[FakeActor] = []
+
+    def resolve() -> FakeActor:
+        resolved.append(FakeActor())
+        return resolved[-1]
+
+    link = ActorLink(resolve)
+
+    async def run() -> None:
+        assert await link.call("view") == {"ok": True, "method": "view"}
+        assert await link.call("view") == {"ok": True, "method": "view"}
+
+    asyncio.run(run())
+    assert len(resolved) == 1 and link.failures == 0
+
+
+def test_dead_actor_is_counted_raised_and_resolved_again() -> None:
+    actors = [FakeActor(), FakeActor()]
+    actors[0].error = ActorDiedError("gone")
+    link = ActorLink(lambda: actors.pop(0))
+
+    async def run() -> None:
+        with pytest.raises(ActorDiedError):
+            await link.call("view")
+        assert await link.call("view") == {"ok": True, "method": "view"}
+
+    asyncio.run(run())
+    assert link.failures == 1 and actors == []
+
+
+def test_slow_actor_times_out_and_keeps_its_handle() -> None:
+    actor = FakeActor()
+    actor.delay_s = 1.0
+    calls = []
+    link = ActorLink(lambda: calls.append(1) or actor, timeout_s=0.05)
+
+    async def run() -> None:
+        with pytest.raises(asyncio.TimeoutError):
+            await link.call("view")
+
+    asyncio.run(run())
+    assert link.failures == 1 and len(calls) == 1  # a timeout is not a death: no re-resolve
+
+
+def test_periodic_task_counts_failures_and_keeps_running() -> None:
+    outcomes = iter([None, RuntimeError("x"), None, RuntimeError("y"), None])
+
+    async def step() -> None:
+        outcome = next(outcomes, None)
+        if outcome is not None:
+            raise outcome
+
+    async def run() -> PeriodicTask:
+        task = PeriodicTask("t", step, 0.001)
+        task.start()
+        while task.runs + task.failures < 5:
+            await asyncio.sleep(0.001)
+        await task.stop()
+        return task
+
+    task = asyncio.run(run())
+    assert task.failures == 2 and task.runs >= 3
+
+
+def test_signal_reporter_sends_floats_and_drops_none() -> None:
+    actor = FakeActor()
+    link = ActorLink(lambda: actor)
+
+    async def run() -> None:
+        reporter = signal_reporter(link, "model:1", lambda: {"queue_length": 3, "ttft_p95_ms": None}, 0.001)
+        reporter.start()
+        while not actor.reports:
+            await asyncio.sleep(0.001)
+        await reporter.stop()
+
+    asyncio.run(run())
+    source, signals = actor.reports[0]
+    assert source == "model:1" and signals == {"queue_length": 3.0}
+    assert isinstance(signals["queue_length"], float)
+
+
+def test_reporter_survives_a_dead_actor() -> None:
+    actor = FakeActor()
+    actor.error = RuntimeError("actor restarting")
+    link = ActorLink(lambda: actor)
+
+    async def run() -> PeriodicTask:
+        reporter = signal_reporter(link, "ingress", lambda: {"inflight": 1}, 0.001)
+        reporter.start()
+        while reporter.failures < 3:
+            await asyncio.sleep(0.001)
+        actor.error = None
+        while not actor.reports:
+            await asyncio.sleep(0.001)
+        await reporter.stop()
+        return reporter
+
+    reporter = asyncio.run(run())
+    assert reporter.failures >= 3 and link.failures >= 3 and actor.reports
