@@ -26,9 +26,20 @@ from deployments.window import SlidingWindow
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
-__all__ = ["Delta", "EngineSettings", "EngineStats", "LLMEngine"]
+__all__ = ["SAMPLING_KEYS", "Delta", "EngineSettings", "EngineStats", "LLMEngine"]
 
 logger = logging.getLogger(__name__)
+
+# The one list of request fields that reach vLLM's ``SamplingParams`` (same names there): the
+# ingress copies them from the validated request, VLLMModel passes those that are set. OpenAI's
+# own fields, then vLLM's extensions that its OpenAI server accepts. Left out on purpose: ``n``
+# (one completion per request), ``logprobs`` (not returned), beam search and structured output.
+SAMPLING_KEYS: tuple[str, ...] = (
+    "max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty",
+    "ignore_eos", "min_tokens", "top_k", "min_p", "repetition_penalty", "stop_token_ids",
+    "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+    "bad_words", "allowed_token_ids",
+)
 
 KV_CACHE_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"

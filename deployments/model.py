@@ -21,15 +21,11 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import asdict
 from typing import Any
 
-from deployments.engine import EngineSettings, LLMEngine
+from deployments.engine import SAMPLING_KEYS, EngineSettings, LLMEngine
 from deployments.gpu import GpuProbe
 from deployments.reporting import ActorLink, replica_source, signal_reporter
 
 logger = logging.getLogger("ray.serve")
-
-# Sampling keys the ingress may pass through to vLLM's SamplingParams.
-SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty",
-                 "frequency_penalty", "ignore_eos")
 
 
 def error_record(status: int, message: str, param: str | None, kind: str = "invalid_request_error") -> dict[str, Any]:

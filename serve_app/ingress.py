@@ -33,6 +33,7 @@ from ray.serve.metrics import Counter as ServeCounter
 from starlette.background import BackgroundTask
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from deployments.engine import SAMPLING_KEYS
 from deployments.enrichments.spool import DurableSpool
 from deployments.reporting import ActorLink, PeriodicTask, replica_source, signal_reporter
 from deployments.window import SlidingWindow
@@ -56,7 +57,7 @@ from serve_app.pipeline import LevelSnapshot, Pipeline, RequestContext
 
 logger = logging.getLogger("ray.serve")
 
-SAMPLING_FIELDS = ("temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "ignore_eos")
+SAMPLING_FIELDS = SAMPLING_KEYS  # request fields passed to vLLM: one list, in deployments/engine.py
 
 
 class IngressLimits(BaseModel):

@@ -4,6 +4,13 @@ Requests are validated strictly (``extra="forbid"``): an unknown or out-of-range
 whose message and ``param`` name the field, in OpenAI's error JSON shape::
 
     {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens", "code": null}}
+
+Besides OpenAI's sampling fields, vLLM's sampling extensions that its own OpenAI server accepts
+(``min_tokens``, ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ...) are accepted and
+passed to the engine (`deployments.engine.SAMPLING_KEYS`); their ranges are vLLM's. Fields this
+server does not implement (log probabilities, tools, response formats, ...) are accepted only with
+the value that asks for nothing (``logprobs: false``, ``tools: []``, ...), so clients and
+benchmark tools that send the defaults explicitly work; any other value is a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from starlette.responses import JSONResponse
 
 
@@ -41,6 +48,54 @@ class StreamOptions(_Req):
     include_usage: bool = False
 
 
+def _is_empty(v: Any) -> bool:
+    return v is None or v == [] or v == {}
+
+
+# Fields accepted only with the value that asks for nothing: field -> (test, what is accepted).
+_NO_OP_COMMON: dict[str, tuple[Any, str]] = {
+    "logit_bias": (_is_empty, "null or {}"),
+    "use_beam_search": (lambda v: v in (None, False), "false"),
+    "best_of": (lambda v: v is None or (v == 1 and type(v) is int), "1"),
+    "prompt_logprobs": (lambda v: v is None, "null"),
+    "priority": (lambda v: v is None or (v == 0 and type(v) is int), "0"),
+    "service_tier": (lambda v: v in (None, "auto", "default"), "'auto' or 'default'"),
+    "store": (lambda v: v in (None, False), "false"),
+    "response_format": (lambda v: v is None or v == {"type": "text"}, "{'type': 'text'}"),
+    "add_special_tokens": (lambda v: v in (None, False), "false"),
+}
+_NO_OP_CHAT: dict[str, tuple[Any, str]] = {
+    "logprobs": (lambda v: v in (None, False), "false"),
+    "top_logprobs": (lambda v: v is None or (v == 0 and type(v) is int), "0"),
+    "tools": (_is_empty, "[]"),
+    "tool_choice": (lambda v: v in (None, "none", "auto"), "'none' or 'auto' (no tools)"),
+    # Only meaningful with tools, and tools must be empty: any boolean asks for nothing.
+    "parallel_tool_calls": (lambda v: v is None or isinstance(v, bool), "true or false"),
+    "functions": (_is_empty, "[]"),
+    "function_call": (lambda v: v in (None, "none", "auto"), "'none' or 'auto'"),
+    "modalities": (lambda v: v is None or v == ["text"], "['text']"),
+    "echo": (lambda v: v in (None, False), "false"),
+    "add_generation_prompt": (lambda v: v in (None, True), "true"),
+    "continue_final_message": (lambda v: v in (None, False), "false"),
+}
+_NO_OP_COMPLETION: dict[str, tuple[Any, str]] = {
+    "logprobs": (lambda v: v is None or (v == 0 and type(v) is int), "null or 0"),
+    "suffix": (lambda v: v in (None, ""), "null"),
+}
+
+
+def _check_no_op(table: dict[str, tuple[Any, str]], v: Any, info: ValidationInfo) -> Any:
+    ok, accepted = table[info.field_name]  # type: ignore[index]
+    if not ok(v):
+        raise ValueError(f"not supported by this server: only {accepted} is accepted (the value that asks for nothing)")
+    return v
+
+
+def _check_min_max(min_tokens: int | None, max_tokens: int | None, max_name: str) -> None:
+    if min_tokens is not None and max_tokens is not None and min_tokens > max_tokens:
+        raise ValueError(f"min_tokens={min_tokens} exceeds {max_name}={max_tokens}")
+
+
 class _Sampling(_Req):
     model: str = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
@@ -54,7 +109,41 @@ class _Sampling(_Req):
     user: str | None = Field(default=None, max_length=256)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    # vLLM's sampling extensions (same names, meanings and ranges as its SamplingParams);
+    # None leaves vLLM's default. Ranges are checked here so the 400 names the field.
     ignore_eos: bool = Field(default=False, description="vLLM extension: generate past end-of-sequence")
+    min_tokens: int | None = Field(default=None, ge=0, description="vLLM: tokens to generate before EOS/stop may end it")
+    top_k: int | None = Field(default=None, ge=-1, description="vLLM: sample from the k likeliest tokens; 0 or -1: all")
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0, description="vLLM: minimum probability relative to the likeliest")
+    repetition_penalty: float | None = Field(default=None, gt=0.0, description="vLLM: > 1 discourages repeats")
+    stop_token_ids: list[int] | None = Field(default=None, description="vLLM: token ids that end the completion")
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    bad_words: list[str] | None = Field(default=None, description="vLLM: words never generated")
+    allowed_token_ids: list[int] | None = Field(default=None, description="vLLM: only these token ids")
+    # Accepted only with their no-op value (see _NO_OP_COMMON).
+    logit_bias: Any = None
+    use_beam_search: Any = None
+    best_of: Any = None
+    prompt_logprobs: Any = None
+    priority: Any = None
+    service_tier: Any = None
+    store: Any = None
+    response_format: Any = None
+    add_special_tokens: Any = None
+    metadata: dict[str, str] | None = None  # informational only: accepted, not used
+
+    @field_validator(*_NO_OP_COMMON)
+    @classmethod
+    def _common_no_op(cls, v: Any, info: ValidationInfo) -> Any:
+        return _check_no_op(_NO_OP_COMMON, v, info)
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _min_within_max(cls, v: int | None, info: ValidationInfo) -> int | None:
+        _check_min_max(v, info.data.get("max_tokens"), "max_tokens")
+        return v
 
     @field_validator("n")
     @classmethod
@@ -74,11 +163,42 @@ class _Sampling(_Req):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    # Accepted only with their no-op value (see _NO_OP_CHAT).
+    logprobs: Any = None
+    top_logprobs: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    modalities: Any = None
+    echo: Any = None
+    add_generation_prompt: Any = None
+    continue_final_message: Any = None
+
+    @field_validator(*_NO_OP_CHAT)
+    @classmethod
+    def _chat_no_op(cls, v: Any, info: ValidationInfo) -> Any:
+        return _check_no_op(_NO_OP_CHAT, v, info)
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _max_completion_above_min(cls, v: int | None, info: ValidationInfo) -> int | None:
+        _check_min_max(info.data.get("min_tokens"), v, "max_completion_tokens")
+        return v
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str]
     echo: bool = False
+    # Accepted only with their no-op value (see _NO_OP_COMPLETION).
+    logprobs: Any = None
+    suffix: Any = None
+
+    @field_validator(*_NO_OP_COMPLETION)
+    @classmethod
+    def _completion_no_op(cls, v: Any, info: ValidationInfo) -> Any:
+        return _check_no_op(_NO_OP_COMPLETION, v, info)
 
     @field_validator("prompt")
     @classmethod
