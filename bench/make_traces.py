@@ -5,6 +5,9 @@
 - flash_crowd.jsonl: quiet, then a sudden crowd (queue and latency jump), held, then decays.
 - oscillating.jsonl: load oscillating around the default policy's level-1 thresholds, the case
   where a policy without hysteresis flaps.
+- periodic_bursts.jsonl: 10 s bursts every 50 s, the quiet gaps (40 s) a little longer than the
+  default recovery dwell (30 s): hysteresis alone steps down and back up once per burst; flap
+  damping (growing dwell) holds the level through the bursts and steps down once they stop.
 Samples every second, as the policy actor would see an aggregated snapshot.
 """
 
@@ -48,9 +51,23 @@ def oscillating() -> list[dict[str, float]]:
     return rows
 
 
+def periodic_bursts() -> list[dict[str, float]]:
+    rng = random.Random(13)
+    rows = []
+    for t in range(0, 700):
+        # ten bursts at t = 0, 50, ..., 450, each 10 s: the queue passes the level-1 trigger (4)
+        # but not level 2 (16); between them, and for 250 s after the last, it is below recover (1)
+        in_burst = t < 500 and t % 50 < 10
+        q = rng.uniform(6, 10) if in_burst else rng.uniform(0, 0.8)
+        rows.append({"t": float(t), "queue_length": round(q, 2),
+                     "p95_latency_ms": round(600 + 150 * q + rng.uniform(-50, 50), 1)})
+    return rows
+
+
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
-    for name, rows in (("flash_crowd", flash_crowd()), ("oscillating", oscillating())):
+    for name, rows in (("flash_crowd", flash_crowd()), ("oscillating", oscillating()),
+                       ("periodic_bursts", periodic_bursts())):
         path = OUT / f"{name}.jsonl"
         path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
         print(f"wrote {path.name}: {len(rows)} samples")

@@ -22,6 +22,16 @@ Rules, all checked at load time (validators do no I/O):
   means every optional feature; a critical feature may never be disabled.
 - A feature disabled at level k is disabled at every level above k.
 
+Optional sections (all validated the same way):
+
+- ``flap_damping``: a recovery undone by a re-escalation within ``window_s`` multiplies the next
+  recovery dwell by ``dwell_factor`` (up to ``max_dwell_factor``); ``reset_after_s`` without any
+  escalation forgets the flaps. The rule and why the defaults: `policies.controller`.
+- ``slo``: the latency objective (``e2e_p99_ms``, optionally ``ttft_p99_ms``), the class a request
+  gets when nothing says otherwise, and each criticality class's share of the waiting slack.
+  `policies.slo.derive_policy` turns it into default levels; `policies.admission` into per-request
+  admission. ``admission`` tunes the latter and needs an ``slo``.
+
 Every error names the key, the bad value and, where there is a closed set, the valid choices.
 """
 
@@ -49,6 +59,11 @@ SIGNALS: tuple[str, ...] = (
     "avg_latency_ms",  # mean end-to-end latency over the window
     "p95_latency_ms",  # 95th percentile end-to-end latency
     "ttft_p95_ms",  # 95th percentile time to first token
+    # Early signals of the SLO-derived policy (`derive_policy`); both rise before latency is lost.
+    "model_queued",  # requests admitted and waiting for the model wherever they wait (Serve's
+    #                  queue at the model deployment + vLLM's waiting queue), summed over callers
+    "predicted_wait_ms",  # the ingress admission controller's predicted wait for the next
+    #                       request before the engine starts it (policies.admission), worst ingress
 )
 
 DEFAULT_RECOVER_RATIO = 0.75 / 0.9  # 0.8333: the reference design's 0.9 -> 0.75 example
@@ -139,6 +154,133 @@ class FeatureConfig(_Strict):
         return self
 
 
+class FlapDampingConfig(_Strict):
+    """Growing recovery dwell after a recovery that did not last (see `policies.controller`).
+
+    Defaults: a re-escalation within 120 s (four default dwells) of a step down counts as a flap;
+    each flap doubles the next dwell, up to 8x (30 s -> 240 s); ten minutes without any
+    escalation resets it. ``dwell_factor: 1`` turns damping off.
+    """
+
+    window_s: NonNegSeconds = Field(
+        default=120.0, description="a re-escalation this soon after a step down is a flap"
+    )
+    dwell_factor: float = Field(
+        default=2.0, ge=1.0, le=10.0, allow_inf_nan=False,
+        description="each flap multiplies the recovery dwell by this; 1 = no damping",
+    )
+    max_dwell_factor: float = Field(
+        default=8.0, ge=1.0, le=100.0, allow_inf_nan=False,
+        description="the recovery dwell grows to at most this multiple of recover_dwell_s",
+    )
+    reset_after_s: float = Field(
+        default=600.0, gt=0.0, allow_inf_nan=False,
+        description="this long without any escalation forgets every flap",
+    )
+
+    @model_validator(mode="after")
+    def _reset_after_window(self) -> FlapDampingConfig:
+        if self.reset_after_s < self.window_s:
+            raise ValueError(
+                f"flap_damping.reset_after_s: {self.reset_after_s:g} must be >= "
+                f"flap_damping.window_s: {self.window_s:g} (a reset inside the window would "
+                "forget a flap before it is counted)"
+            )
+        return self
+
+    def factor(self, flaps: int) -> float:
+        """The recovery dwell multiplier after ``flaps`` flaps: ``min(dwell_factor**flaps, max)``."""
+        if flaps <= 0 or self.dwell_factor == 1.0:
+            return 1.0
+        # flaps is capped by the controller, but guard the power against overflow anyway
+        return min(self.dwell_factor ** min(flaps, 64), self.max_dwell_factor)
+
+
+CRITICALITIES: tuple[str, ...] = ("critical", "standard", "sheddable")  # most important first
+
+
+class WaitShares(_Strict):
+    """Per criticality class: the fraction of the SLO's waiting slack a request may spend waiting.
+
+    The slack is what the e2e budget leaves after the request's own service time; critical may
+    use all of it, standard half, sheddable a quarter, so under a growing backlog sheddable is
+    refused first, then standard, and critical while any slack remains.
+    """
+
+    critical: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    standard: float = Field(default=0.5, gt=0.0, le=1.0, allow_inf_nan=False)
+    sheddable: float = Field(default=0.25, gt=0.0, le=1.0, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> WaitShares:
+        for hi, lo in zip(CRITICALITIES, CRITICALITIES[1:]):
+            if getattr(self, lo) > getattr(self, hi):
+                raise ValueError(
+                    f"wait_share.{lo}: {getattr(self, lo):g} must not exceed "
+                    f"wait_share.{hi}: {getattr(self, hi):g} (a less critical class never gets more)"
+                )
+        return self
+
+
+class SloConfig(_Strict):
+    """The latency objective that admission and the derived levels hold."""
+
+    e2e_p99_ms: float = Field(
+        gt=0.0, allow_inf_nan=False, description="99th percentile end-to-end latency target"
+    )
+    ttft_p99_ms: float | None = Field(
+        default=None, gt=0.0, allow_inf_nan=False,
+        description="99th percentile time-to-first-token target (streamed requests); optional",
+    )
+    default_class: Literal["critical", "standard", "sheddable"] = Field(
+        default="standard", description="the class of a request nothing else classifies"
+    )
+    wait_share: WaitShares = Field(default_factory=WaitShares)
+
+    @model_validator(mode="after")
+    def _ttft_within_e2e(self) -> SloConfig:
+        if self.ttft_p99_ms is not None and self.ttft_p99_ms > self.e2e_p99_ms:
+            raise ValueError(
+                f"ttft_p99_ms: {self.ttft_p99_ms:g} must not exceed e2e_p99_ms: {self.e2e_p99_ms:g}"
+            )
+        return self
+
+
+class AdmissionConfig(_Strict):
+    """Settings of deadline-aware admission (`policies.admission`); the rule lives there."""
+
+    enabled: bool = Field(default=True, description="false: the ingress admits everything")
+    overhead_ms: float = Field(
+        default=100.0, ge=0.0, allow_inf_nan=False,
+        description="time a request spends outside the model (ingress, enrichments), "
+        "subtracted from the e2e budget",
+    )
+    prior_rate_per_s: float | None = Field(
+        default=None, gt=0.0, allow_inf_nan=False,
+        description="cold-start service rate (completions/s with the batch full); "
+        "null: max_num_seqs / (e2e_p99 / 2), i.e. a full batch takes half the SLO",
+    )
+    rate_window_s: float = Field(
+        default=1.0, gt=0.0, le=60.0, allow_inf_nan=False,
+        description="completions are counted over windows this long",
+    )
+    rate_alpha: float = Field(
+        default=0.3, gt=0.0, le=1.0, allow_inf_nan=False,
+        description="EWMA weight of the newest window's rate",
+    )
+    min_retry_after_s: int = Field(default=1, ge=1, le=3600)
+    max_retry_after_s: int = Field(default=30, ge=1, le=3600)
+
+    @model_validator(mode="after")
+    def _retry_bounds(self) -> AdmissionConfig:
+        if self.min_retry_after_s > self.max_retry_after_s:
+            raise ValueError(
+                f"min_retry_after_s: {self.min_retry_after_s} must not exceed "
+                f"max_retry_after_s: {self.max_retry_after_s}"
+            )
+        return self
+
+
 class DegradationConfig(_Strict):
     """The whole policy. Build it with `parse_policy` or `load_policy`."""
 
@@ -154,6 +296,11 @@ class DegradationConfig(_Strict):
     )
     stale_after_s: float = Field(
         default=5.0, gt=0.0, description="a replica report older than this is ignored"
+    )
+    flap_damping: FlapDampingConfig = Field(default_factory=FlapDampingConfig)
+    slo: SloConfig | None = Field(default=None, description="latency objective; optional")
+    admission: AdmissionConfig | None = Field(
+        default=None, description="admission settings; needs an slo (defaults apply when absent)"
     )
 
     @field_validator("features")
@@ -179,6 +326,14 @@ class DegradationConfig(_Strict):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> DegradationConfig:
+        if self.admission is not None and self.slo is None:
+            raise ValueError("admission: needs an 'slo' section (e.g. slo: {e2e_p99_ms: 2000})")
+        if self.slo is not None and self.admission is not None:
+            if self.admission.overhead_ms >= self.slo.e2e_p99_ms:
+                raise ValueError(
+                    f"admission.overhead_ms: {self.admission.overhead_ms:g} must be below "
+                    f"slo.e2e_p99_ms: {self.slo.e2e_p99_ms:g}"
+                )
         # recover below trigger, recover names only trigger signals
         for key in LEVEL_KEYS:
             lvl: LevelConfig | None = getattr(self, key)
@@ -332,13 +487,18 @@ def default_policy() -> DegradationConfig:
 
 
 __all__ = [
+    "AdmissionConfig",
+    "CRITICALITIES",
     "DEFAULT_RECOVER_RATIO",
     "DegradationConfig",
     "FeatureConfig",
+    "FlapDampingConfig",
     "Level",
     "LevelConfig",
     "PolicyError",
     "SIGNALS",
+    "SloConfig",
+    "WaitShares",
     "default_policy",
     "load_policy",
     "parse_policy",

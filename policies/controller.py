@@ -14,6 +14,15 @@ The rule, and why:
   own full dwell, so features come back level by level and the load they add is seen before the next.
   Between recover and trigger lies the dead band, where the level simply holds: a load
   oscillating around one threshold cannot flap.
+- **Damp flapping.** Hysteresis stops flapping around one threshold, not periodic bursts whose
+  quiet gaps outlast the dwell: each gap earns a step down that the next burst undoes. So a
+  re-escalation within ``flap_damping.window_s`` of a step down counts as a *flap*, and the
+  recovery dwell becomes ``recover_dwell_s * min(dwell_factor ** flaps, max_dwell_factor)``
+  (defaults: doubling, up to 8x). ``reset_after_s`` with no escalation at all forgets the flaps.
+  Damping only ever delays a step down: the level is never below what the undamped rule gives,
+  and escalation is untouched. The defaults: a 120 s window catches bursts up to four default
+  dwells apart; 8x caps the longest dwell at 4 minutes, so one real recovery is not held off for
+  long; ten calm minutes mean the bursts are over.
 - **Fail static.** A stale signal of level L blocks recovery from L (and restarts the dwell);
   escalation still acts on the fresh values.
 - **Operators win.** A level pin sets the effective level until it expires or is cleared. The
@@ -95,10 +104,18 @@ class ControllerState:
     trigger_since: tuple[float | None, float | None, float | None] = (None, None, None)
     calm_since: float | None = None  # since when every signal of policy_level is below recover
     recovery_blocked_by: frozenset[str] = frozenset()  # stale signals holding the level
+    # flap damping: recoveries undone by a re-escalation within flap_damping.window_s
+    flaps: int = 0
+    last_recover_at: float | None = None  # last step down of policy_level
+    last_escalate_at: float | None = None  # last step up of policy_level
 
     @property
     def level(self) -> Level:
         return self.pin.level if self.pin is not None else self.policy_level
+
+
+# A flap count past this changes nothing (the factor is capped long before); it only bounds ints.
+_MAX_FLAPS = 64
 
 
 def _hottest(thresholds: Mapping[str, float], values: Mapping[str, float]) -> tuple[str, float, float] | None:
@@ -135,6 +152,13 @@ def decide(
     before = state.level
     state, expired = _purge(state, now)
     values = signals.values
+    damping = config.flap_damping
+    if (
+        state.flaps
+        and state.last_escalate_at is not None
+        and now - state.last_escalate_at >= damping.reset_after_s
+    ):
+        state = replace(state, flaps=0)  # a long calm: the bursts are over
 
     # 1. how long each level's trigger has held
     since: list[float | None] = []
@@ -160,8 +184,15 @@ def decide(
         reason = Reason(
             "trigger", name, value, threshold, detail=f"level{int(target)} trigger held"
         )
+        flap = state.last_recover_at is not None and now - state.last_recover_at <= damping.window_s
         state = replace(
-            state, policy_level=target, last_change_at=now, calm_since=None, recovery_blocked_by=frozenset()
+            state,
+            policy_level=target,
+            last_change_at=now,
+            calm_since=None,
+            recovery_blocked_by=frozenset(),
+            flaps=min(state.flaps + 1, _MAX_FLAPS) if flap else state.flaps,
+            last_escalate_at=now,
         )
     elif current > Level.NORMAL:
         # 3. recover one step after an unbroken dwell below every recover value
@@ -172,20 +203,28 @@ def decide(
             state = replace(state, calm_since=None, recovery_blocked_by=blocked)
         else:
             calm_since = state.calm_since if state.calm_since is not None else now
-            dwell_ok = now - calm_since >= config.dwell_s(current)
+            factor = damping.factor(state.flaps)
+            dwell_s = config.dwell_s(current) * factor
+            dwell_ok = now - calm_since >= dwell_s
             cool_ok = state.last_change_at is None or now - state.last_change_at >= config.cooldown_s(
                 current
             )
             if dwell_ok and cool_ok:
+                damped = (
+                    f" = {config.dwell_s(current):g}s x{factor:g} after {state.flaps} flap(s)"
+                    if factor > 1.0
+                    else ""
+                )
                 reason = Reason(
                     "recover",
                     detail=f"every level{int(current)} signal below its recover value for "
-                    f"{now - calm_since:g}s (dwell {config.dwell_s(current):g}s)",
+                    f"{now - calm_since:g}s (dwell {dwell_s:g}s{damped})",
                 )
                 state = replace(
                     state,
                     policy_level=Level(current - 1),
                     last_change_at=now,
+                    last_recover_at=now,
                     # the next step's dwell starts now; the next tick checks the new level's
                     # recover values and restarts it on any crossing
                     calm_since=now,

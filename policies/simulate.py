@@ -7,11 +7,13 @@ the policy saw).
 
 ``--baseline naive`` replays the same trace through the reference design's naive manager: every
 ``naive_interval_s`` (5 s) the level becomes the highest whose trigger holds, with no memory.
+``--baseline undamped`` replays it through Brownout's own controller with flap damping off
+(``dwell_factor: 1``), to show what the growing recovery dwell saves.
 
 Usage::
 
     python -m policies.simulate configs/traces/oscillating.jsonl \\
-        [--config configs/degradation.yaml] [--baseline naive] [--plot out.png] [--json]
+        [--config configs/degradation.yaml] [--baseline naive|undamped] [--plot out.png] [--json]
 """
 
 from __future__ import annotations
@@ -103,9 +105,9 @@ def read_trace(lines: Iterable[str], source: str = "trace") -> list[Sample]:
     return samples
 
 
-def replay(config: DegradationConfig, samples: Sequence[Sample]) -> Run:
+def replay(config: DegradationConfig, samples: Sequence[Sample], name: str = "brownout") -> Run:
     """Brownout's controller over the trace."""
-    run = Run("brownout")
+    run = Run(name)
     state = ControllerState()
     for sample in samples:
         signals = Signals(at=sample.t, values=sample.values, sources=1)
@@ -115,6 +117,12 @@ def replay(config: DegradationConfig, samples: Sequence[Sample]) -> Run:
         run.times.append(sample.t)
         run.levels.append(int(state.level))
     return run
+
+
+def replay_undamped(config: DegradationConfig, samples: Sequence[Sample]) -> Run:
+    """Brownout's controller with flap damping off: hysteresis, dwell and cooldown only."""
+    damping = config.flap_damping.model_copy(update={"dwell_factor": 1.0})
+    return replay(config.model_copy(update={"flap_damping": damping}), samples, "undamped")
 
 
 def replay_naive(
@@ -183,7 +191,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m policies.simulate", description=__doc__.split("\n")[0])
     ap.add_argument("trace", type=Path, help="JSONL trace of timestamped signals")
     ap.add_argument("--config", type=Path, default=None, help="policy (.yaml or .json); default: configs/degradation.yaml")
-    ap.add_argument("--baseline", choices=["naive"], default=None, help="also replay a baseline")
+    ap.add_argument("--baseline", choices=["naive", "undamped"], default=None,
+                    help="also replay a baseline: the naive manager, or Brownout without flap damping")
     ap.add_argument("--plot", type=Path, default=None, help="write a PNG of signals and levels")
     ap.add_argument("--json", action="store_true", help="print one JSON summary instead of text")
     args = ap.parse_args(argv)
@@ -196,6 +205,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs = [replay(config, samples)]
     if args.baseline == "naive":
         runs.append(replay_naive(config, samples))
+    elif args.baseline == "undamped":
+        runs.append(replay_undamped(config, samples))
     if args.json:
         print(json.dumps({"trace": args.trace.name, "samples": len(samples), "runs": [r.summary() for r in runs]}))
     else:
@@ -203,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for run in runs:
             _print_run(run, sys.stdout)
         if len(runs) == 2 and runs[1].changes:
-            print(f"level changes: brownout {runs[0].changes} vs naive {runs[1].changes} "
+            print(f"level changes: brownout {runs[0].changes} vs {runs[1].name} {runs[1].changes} "
                   f"(ratio {runs[0].changes / runs[1].changes:.3f})")
     if args.plot:
         plot(samples, runs, args.plot)

@@ -176,3 +176,91 @@ def test_critical_feature_cannot_be_forced_off() -> None:
 def test_naive_level_is_highest_crossed() -> None:
     assert naive_level(CFG, {"queue_length": 21}) == Level.AUXILIARY
     assert naive_level(CFG, {"queue_length": 9}) == Level.NORMAL
+
+
+# -- flap damping ---------------------------------------------------------------------------------
+
+# One level, dwell 10 s; a re-escalation within 30 s of a step down doubles the next dwell, up to
+# 4x (40 s); 100 s without any escalation forgets the flaps.
+DAMPED = parse_policy(
+    {
+        "level1": {"trigger": {"queue_length": 10}, "recover": {"queue_length": 5},
+                   "recover_dwell_s": 10, "cooldown_s": 4, "disable": ["debug_capture"]},
+        "flap_damping": {"window_s": 30, "dwell_factor": 2, "max_dwell_factor": 4, "reset_after_s": 100},
+    }
+)
+UNDAMPED = DAMPED.model_copy(update={"flap_damping": DAMPED.flap_damping.model_copy(update={"dwell_factor": 1.0})})
+
+
+@pytest.mark.parametrize(
+    "name, cfg, steps, expected",
+    [
+        (
+            "first recovery takes the plain dwell",
+            DAMPED,
+            [(0, 12), (1, 0), (10.9, 0), (11, 0)],
+            [1, 1, 1, 0],
+        ),
+        (
+            "a recovery undone within the window doubles the next dwell, then doubles again",
+            DAMPED,
+            # up at 0, calm from 1, down at 11; burst at 20 (9 s after the step down: a flap)
+            # calm from 21: the dwell is now 20 s -> still up at 40.9, down at 41
+            # burst at 50 (a second flap): dwell 40 s from 51 -> down at 91, not before
+            [(0, 12), (1, 0), (11, 0), (20, 12), (21, 0), (31, 0), (40.9, 0), (41, 0),
+             (50, 12), (51, 0), (61, 0), (90.9, 0), (91, 0)],
+            [1, 1, 0, 1, 1, 1, 1, 0, 1, 1, 1, 1, 0],
+        ),
+        (
+            "the same bursts without damping step down and up once per burst",
+            UNDAMPED,
+            [(0, 12), (1, 0), (11, 0), (20, 12), (21, 0), (31, 0), (40.9, 0), (41, 0),
+             (50, 12), (51, 0), (61, 0), (90.9, 0), (91, 0)],
+            [1, 1, 0, 1, 1, 0, 0, 0, 1, 1, 0, 0, 0],
+        ),
+        (
+            "the dwell stops growing at max_dwell_factor",
+            DAMPED,
+            # three flaps (at 20, 50, 100): 2x, 4x, then still 4x = 40 s
+            [(0, 12), (1, 0), (11, 0), (20, 12), (21, 0), (41, 0), (50, 12), (51, 0), (91, 0),
+             (100, 12), (101, 0), (140.9, 0), (141, 0)],
+            [1, 1, 0, 1, 1, 0, 1, 1, 0, 1, 1, 1, 0],
+        ),
+        (
+            "an escalation long after the step down is no flap",
+            DAMPED,
+            # down at 11; back up at 41.1, 30.1 s later: outside the window, dwell stays 10 s
+            [(0, 12), (1, 0), (11, 0), (41.1, 12), (42, 0), (52, 0)],
+            [1, 1, 0, 1, 1, 0],
+        ),
+        (
+            "a long calm forgets the flaps",
+            DAMPED,
+            # a flap at 20 (dwell 20 s, down at 41); no escalation from 20 to 130 (>= 100 s):
+            # the flap is forgotten and the next recovery takes the plain 10 s again
+            [(0, 12), (1, 0), (11, 0), (20, 12), (21, 0), (41, 0), (130, 0), (131, 12),
+             (132, 0), (142, 0)],
+            [1, 1, 0, 1, 1, 0, 0, 1, 1, 0],
+        ),
+    ],
+)
+def test_flap_damping_sequences(name: str, cfg, steps: list, expected: list[int]) -> None:  # type: ignore[no-untyped-def]
+    _, levels, _ = run(cfg, steps)
+    assert levels == expected, name
+
+
+def test_flap_damping_state_and_reason() -> None:
+    state, _, transitions = run(
+        DAMPED, [(0, 12), (1, 0), (11, 0), (20, 12), (21, 0), (41, 0)]
+    )
+    assert state.flaps == 1 and state.last_recover_at == 41 and state.last_escalate_at == 20
+    assert transitions[-1].reason.kind == "recover"
+    assert "(dwell 20s = 10s x2 after 1 flap(s))" in transitions[-1].reason.detail
+
+
+def test_flap_damping_escalation_is_never_delayed() -> None:
+    # however many flaps, a trigger still escalates on the same tick
+    state, _, _ = run(DAMPED, [(0, 12), (1, 0), (11, 0), (20, 12), (21, 0), (41, 0)])
+    state, tr = decide(DAMPED, state, snap(42, 11), 42)
+    assert state.level == 1 and tr is not None and tr.reason.kind == "trigger"
+    assert state.flaps == 2

@@ -20,7 +20,15 @@ def policies(draw):  # type: ignore[no-untyped-def]
     esc = draw(st.floats(0, 3))
     lv = lambda t: {"trigger": {"queue_length": t}, "recover_dwell_s": dwell,  # noqa: E731
                     "cooldown_s": cooldown, "escalate_after_s": esc}
-    return parse_policy({"level1": lv(t1), "level2": lv(t2), "level3": lv(t3)})
+    window = draw(st.floats(0, 60))
+    damping = {"window_s": window, "dwell_factor": draw(st.floats(1, 3)),
+               "max_dwell_factor": draw(st.floats(1, 8)),
+               "reset_after_s": window + draw(st.floats(1, 200))}
+    return parse_policy({"level1": lv(t1), "level2": lv(t2), "level3": lv(t3), "flap_damping": damping})
+
+
+def undamped(cfg):  # type: ignore[no-untyped-def]
+    return cfg.model_copy(update={"flap_damping": cfg.flap_damping.model_copy(update={"dwell_factor": 1.0})})
 
 
 @st.composite
@@ -74,16 +82,18 @@ def test_never_down_during_cooldown(cfg, trace) -> None:  # type: ignore[no-unty
 def test_constant_signals_converge_and_stay(cfg, trace, value) -> None:  # type: ignore[no-untyped-def]
     state, history = replay(cfg, trace)
     t = history[-1][0]
-    # long enough for any escalation plus three full recoveries
-    horizon = 4 * (cfg.dwell_s(1) + cfg.cooldown_s(1) + cfg.escalate_after_s(1)) + 10
-    steps = int(horizon / 0.5) + 1
+    # long enough for any escalation plus three full recoveries, each at the longest damped dwell
+    longest_dwell = cfg.dwell_s(1) * cfg.flap_damping.max_dwell_factor
+    horizon = 4 * (longest_dwell + cfg.cooldown_s(1) + cfg.escalate_after_s(1)) + 10
+    step = max(0.5, horizon / 1000)
+    steps = int(horizon / step) + 1
     levels = []
     for i in range(1, steps + 1):
-        state, _ = decide(cfg, state, Signals(at=t + i * 0.5, values={"queue_length": value}), t + i * 0.5)
+        state, _ = decide(cfg, state, Signals(at=t + i * step, values={"queue_length": value}), t + i * step)
         levels.append(int(state.level))
     final = levels[-1]
     # once settled it never moves again
-    tail = levels[-(int((cfg.dwell_s(1) + cfg.cooldown_s(1)) / 0.5) + 2):]
+    tail = levels[-(int((longest_dwell + cfg.cooldown_s(1)) / step) + 2):]
     assert set(tail) == {final}
     # and it settled where the load says: at or above what the triggers call for,
     # and a level above that only if the load is not below its recover value
@@ -113,3 +123,42 @@ def test_feature_override_wins_until_it_expires(cfg, trace, on, ttl) -> None:  #
         state, _ = decide(cfg, state, Signals(at=t, values={} if v is None else {"queue_length": v}), t)
         if t < ttl:
             assert ("ab_test" in enabled_features(cfg, state, t)) == on
+
+
+@settings(max_examples=300, deadline=None)
+@given(cfg=policies(), trace=traces())
+def test_flap_damping_never_sheds_less_than_the_undamped_rule(cfg, trace) -> None:  # type: ignore[no-untyped-def]
+    """Damping only delays steps down: at every tick the damped level is >= the undamped one."""
+    _, damped = replay(cfg, trace)
+    _, plain = replay(undamped(cfg), trace)
+    for (t, lv_damped, _), (_, lv_plain, _) in zip(damped, plain):
+        assert lv_damped >= lv_plain, t
+
+
+@settings(max_examples=300, deadline=None)
+@given(cfg=policies(), trace=traces())
+def test_every_step_down_waits_the_damped_dwell(cfg, trace) -> None:  # type: ignore[no-untyped-def]
+    """A step down comes only after an unbroken calm of dwell * factor(flaps), never sooner."""
+    state = ControllerState()
+    for t, v in trace:
+        before = state
+        values = {} if v is None else {"queue_length": v}
+        state, tr = decide(cfg, state, Signals(at=t, values=values), t)
+        if tr is not None and tr.to_level < tr.from_level:
+            flaps = before.flaps
+            if before.last_escalate_at is not None and t - before.last_escalate_at >= cfg.flap_damping.reset_after_s:
+                flaps = 0
+            assert before.calm_since is not None
+            needed = cfg.dwell_s(int(tr.from_level)) * cfg.flap_damping.factor(flaps)
+            assert t - before.calm_since >= needed - 1e-9
+            assert cfg.flap_damping.factor(flaps) <= cfg.flap_damping.max_dwell_factor
+
+
+@settings(max_examples=200, deadline=None)
+@given(cfg=policies(), trace=traces())
+def test_without_flaps_damping_changes_nothing(cfg, trace) -> None:  # type: ignore[no-untyped-def]
+    """A window of 0 s can never see a flap: the damped run is the undamped run."""
+    no_window = cfg.model_copy(update={"flap_damping": cfg.flap_damping.model_copy(update={"window_s": 0.0})})
+    _, a = replay(no_window, trace)
+    _, b = replay(undamped(cfg), trace)
+    assert [lv for _, lv, _ in a] == [lv for _, lv, _ in b]

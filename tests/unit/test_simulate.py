@@ -77,3 +77,24 @@ def test_cli_bad_config_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureF
     bad.write_text("level1: {trigger: {gpu_util: 2}, recover: {gpu_util: 3}}\n")
     assert main([str(TRACES / "flash_crowd.jsonl"), "--config", str(bad)]) == 2
     assert "level1.recover.gpu_util: 3" in capsys.readouterr().err
+
+
+def test_periodic_bursts_flap_damping_cuts_level_changes() -> None:
+    """Bursts every 50 s with 40 s gaps (> the 30 s dwell): undamped steps down and up per burst."""
+    from policies.simulate import replay_undamped
+
+    cfg = default_policy()
+    samples = load("periodic_bursts.jsonl")
+    ours, undamped, naive = replay(cfg, samples), replay_undamped(cfg, samples), replay_naive(cfg, samples)
+    assert undamped.changes >= 18 and naive.changes >= 18, "the trace must make hysteresis alone flap"
+    assert ours.changes * 4 <= undamped.changes, (ours.changes, undamped.changes)
+    # held through the bursts, then one step down after they stop: it still recovers
+    assert ours.levels[-1] == 0 and max(ours.levels) == 1
+    last_burst = max(s.t for s in samples if s.values["queue_length"] >= 4)
+    held = [lv for t, lv in zip(ours.times, ours.levels) if 60 <= t <= last_burst]
+    assert set(held) == {1}
+
+
+def test_cli_undamped_baseline(capsys: pytest.CaptureFixture) -> None:
+    assert main([str(TRACES / "periodic_bursts.jsonl"), "--baseline", "undamped"]) == 0
+    assert "level changes: brownout 4 vs undamped 20" in capsys.readouterr().out
