@@ -36,6 +36,9 @@ echo "brownout: building the embedded tiny model (once; cached)"
 
 if ! .venv/bin/ray status --address "127.0.0.1:${BROWNOUT_GCS_PORT:-6380}" >/dev/null 2>&1; then
   echo "brownout: starting a local Ray cluster (dashboard :$DASHBOARD_PORT, metrics :$METRICS_PORT)"
+  # Every process of this cluster (Ray's daemons, its client server, replicas, vLLM's engine
+  # processes) inherits this marker: `make stop` ends exactly those, by PID.
+  export BROWNOUT_CLUSTER_ID="$RAY_TMP"
   .venv/bin/ray start --head --port "${BROWNOUT_GCS_PORT:-6380}" --num-cpus "$(nproc)" \
     --dashboard-host 127.0.0.1 --dashboard-port "$DASHBOARD_PORT" \
     --metrics-export-port "$METRICS_PORT" --temp-dir "$RAY_TMP" --disable-usage-stats >/dev/null

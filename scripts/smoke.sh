@@ -60,10 +60,10 @@ ours() {
   local pid
   for pid in $(ls /proc | grep -E '^[0-9]+$'); do
     [ "$pid" = "$$" ] && continue
-    if tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qx "HOME=$smoke_home"; then
-      case "$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null)" in
+    if tr '\0' '\n' 2>/dev/null <"/proc/$pid/environ" | grep -qxF "HOME=$smoke_home"; then
+      case "$(tr '\0' ' ' 2>/dev/null <"/proc/$pid/cmdline")" in
         *smoke.sh*|"") ;;  # this script and its subshells
-        *) echo "$pid $(tr '\0' ' ' <"/proc/$pid/cmdline" | cut -c1-120)" ;;
+        *) echo "$pid $(tr '\0' ' ' 2>/dev/null <"/proc/$pid/cmdline" | cut -c1-120)" ;;
       esac
     fi
   done

@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # `make stop`: shut down the Serve app and the Ray cluster that `make serve` started, by PID.
-# Only processes whose command line names this cluster's own temp dir, and their descendants
-# (replicas, agents), are ended: other Ray clusters on the machine are left alone (`ray stop`
-# would end them all).
+# Only this cluster's processes (see `marked` below) and their descendants are ended: other Ray
+# clusters on the machine are left alone (`ray stop` would end them all).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RAY_TMP="${BROWNOUT_RAY_TMP:-/tmp/brownout-ray-$(id -u)}"
@@ -10,7 +9,18 @@ DASHBOARD_PORT="${BROWNOUT_DASHBOARD_PORT:-8265}"
 export RAY_AUTH_MODE=token
 .venv/bin/serve shutdown -y --address "http://127.0.0.1:$DASHBOARD_PORT" >/dev/null 2>&1 || true
 
-roots=$(ps -eo pid=,args= | awk -v t="$RAY_TMP" 'index($0, t) && !/awk/ {print $1}')
+# Ours: processes that carry serve.sh's marker in their environment (all of the cluster's,
+# including Ray's client server, whose command line does not name the temp dir), or whose
+# command line names the temp dir (a cluster started before the marker existed).
+marked() {
+  local pid
+  for pid in $(ls /proc | grep -E '^[0-9]+$'); do
+    [ "$pid" = "$$" ] && continue
+    tr '\0' '\n' 2>/dev/null <"/proc/$pid/environ" | grep -qxF "BROWNOUT_CLUSTER_ID=$RAY_TMP" && echo "$pid"
+  done
+  return 0
+}
+roots=$( (marked; ps -eo pid=,args= | awk -v t="$RAY_TMP" 'index($0, t) && !/awk/ {print $1}') | sort -u)
 if [ -z "$roots" ]; then echo "brownout: nothing to stop"; exit 0; fi
 # the roots and every descendant of theirs
 pids=$(ps -eo pid=,ppid= | awk -v roots="$roots" '
