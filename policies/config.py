@@ -28,7 +28,7 @@ Optional sections (all validated the same way):
   recovery dwell by ``dwell_factor`` (up to ``max_dwell_factor``); ``reset_after_s`` without any
   escalation forgets the flaps. The rule and why the defaults: `policies.controller`.
 - ``slo``: the latency objective (``e2e_p99_ms``, optionally ``ttft_p99_ms``), the class a request
-  gets when nothing says otherwise, and each criticality class's share of the waiting slack.
+  gets when nothing says otherwise, and each criticality class's share of the latency budget.
   `policies.slo.derive_policy` turns it into default levels; `policies.admission` into per-request
   admission. ``admission`` tunes the latter and needs an ``slo``.
 
@@ -62,8 +62,8 @@ SIGNALS: tuple[str, ...] = (
     # Early signals of the SLO-derived policy (`derive_policy`); both rise before latency is lost.
     "model_queued",  # requests admitted and waiting for the model wherever they wait (Serve's
     #                  queue at the model deployment + vLLM's waiting queue), summed over callers
-    "predicted_wait_ms",  # the ingress admission controller's predicted wait for the next
-    #                       request before the engine starts it (policies.admission), worst ingress
+    "predicted_e2e_ms",  # the ingress admission controller's predicted end-to-end latency of the
+    #                      next request: overhead + (in flight + 1) / measured rate, worst ingress
 )
 
 DEFAULT_RECOVER_RATIO = 0.75 / 0.9  # 0.8333: the reference design's 0.9 -> 0.75 example
@@ -199,25 +199,27 @@ class FlapDampingConfig(_Strict):
 CRITICALITIES: tuple[str, ...] = ("critical", "standard", "sheddable")  # most important first
 
 
-class WaitShares(_Strict):
-    """Per criticality class: the fraction of the SLO's waiting slack a request may spend waiting.
+class ClassShares(_Strict):
+    """Per criticality class: the share of the latency budget, and so of the admitted concurrency.
 
-    The slack is what the e2e budget leaves after the request's own service time; critical may
-    use all of it, standard half, sheddable a quarter, so under a growing backlog sheddable is
-    refused first, then standard, and critical while any slack remains.
+    By Little's law the model holds at most ``rate * budget`` requests that can all finish within
+    the budget; class c is admitted while fewer than ``share_c * rate * budget`` are in flight
+    (`policies.admission`). Defaults: sheddable is refused once the backlog reaches 60% of what
+    the SLO allows, standard at 80%; the last 20% is kept for critical work, so a critical burst
+    still finds room while the others are already refused.
     """
 
     critical: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    standard: float = Field(default=0.5, gt=0.0, le=1.0, allow_inf_nan=False)
-    sheddable: float = Field(default=0.25, gt=0.0, le=1.0, allow_inf_nan=False)
+    standard: float = Field(default=0.8, gt=0.0, le=1.0, allow_inf_nan=False)
+    sheddable: float = Field(default=0.6, gt=0.0, le=1.0, allow_inf_nan=False)
 
     @model_validator(mode="after")
-    def _ordered(self) -> WaitShares:
+    def _ordered(self) -> ClassShares:
         for hi, lo in zip(CRITICALITIES, CRITICALITIES[1:]):
             if getattr(self, lo) > getattr(self, hi):
                 raise ValueError(
-                    f"wait_share.{lo}: {getattr(self, lo):g} must not exceed "
-                    f"wait_share.{hi}: {getattr(self, hi):g} (a less critical class never gets more)"
+                    f"class_share.{lo}: {getattr(self, lo):g} must not exceed "
+                    f"class_share.{hi}: {getattr(self, hi):g} (a less critical class never gets more)"
                 )
         return self
 
@@ -235,7 +237,9 @@ class SloConfig(_Strict):
     default_class: Literal["critical", "standard", "sheddable"] = Field(
         default="standard", description="the class of a request nothing else classifies"
     )
-    wait_share: WaitShares = Field(default_factory=WaitShares)
+    class_share: ClassShares = Field(
+        default_factory=ClassShares, description="per class: share of the latency budget"
+    )
 
     @model_validator(mode="after")
     def _ttft_within_e2e(self) -> SloConfig:
@@ -257,7 +261,7 @@ class AdmissionConfig(_Strict):
     )
     prior_rate_per_s: float | None = Field(
         default=None, gt=0.0, allow_inf_nan=False,
-        description="cold-start service rate (completions/s with the batch full); "
+        description="cold-start service rate (completions/s at full load) until one is measured; "
         "null: max_num_seqs / (e2e_p99 / 2), i.e. a full batch takes half the SLO",
     )
     rate_window_s: float = Field(
@@ -489,6 +493,7 @@ def default_policy() -> DegradationConfig:
 __all__ = [
     "AdmissionConfig",
     "CRITICALITIES",
+    "ClassShares",
     "DEFAULT_RECOVER_RATIO",
     "DegradationConfig",
     "FeatureConfig",
@@ -498,7 +503,6 @@ __all__ = [
     "PolicyError",
     "SIGNALS",
     "SloConfig",
-    "WaitShares",
     "default_policy",
     "load_policy",
     "parse_policy",

@@ -4,12 +4,12 @@ Every replica (model, ingress, enrichments) reports the signals it can see, stam
 it took them. The aggregator keeps the latest report per source and folds the fresh ones into a
 `Signals` snapshot. Aggregation per signal:
 
-- ``sum`` for queue-like counts (``queue_length``, ``inflight``, ``model_queued``): work waiting anywhere in the
-  cluster is work the cluster must do; replicas each see only their own share.
+- ``sum`` for queue-like counts (``queue_length``, ``inflight``, ``model_queued``): work waiting
+  anywhere in the cluster is work the cluster must do; replicas each see only their own share.
 - ``max`` for utilisation and latency (``gpu_util``, ``gpu_mem_ratio``, ``kv_cache_usage``,
-  ``avg_latency_ms``, ``p95_latency_ms``, ``ttft_p95_ms``, ``predicted_wait_ms``): requests routed to the hottest
-  replica wait behind it, so the worst replica is the one that breaks the SLO. A mean would hide
-  one saturated GPU among idle ones; a max across replicas' p95s over-states the cluster p95 only
+  ``avg_latency_ms``, ``p95_latency_ms``, ``ttft_p95_ms``, ``predicted_e2e_ms``): requests routed
+  to the hottest replica wait behind it, so the worst replica is the one that breaks the SLO. A
+  mean would hide one saturated GPU among idle ones; a max across replicas' p95s over-states the cluster p95 only
   when replicas differ, which is exactly when shedding is warranted.
 
 Freshness: a report older than ``stale_after_s`` is left out of the values. A signal that any
@@ -42,7 +42,7 @@ AGGREGATION: Mapping[str, Aggregation] = {
     "p95_latency_ms": "max",
     "ttft_p95_ms": "max",
     "model_queued": "sum",  # each caller counts its own requests waiting for the model
-    "predicted_wait_ms": "max",  # the ingress that predicts the longest wait sees the worst queue
+    "predicted_e2e_ms": "max",  # the ingress predicting the slowest answer sees the worst queue
 }
 assert set(AGGREGATION) == set(SIGNALS), "every signal needs an aggregation rule"
 

@@ -129,3 +129,158 @@ def test_serve_config_policy_is_the_default_policy() -> None:
     (ingress,) = [d for d in config["applications"][0]["deployments"] if d["name"] == "Ingress"]
     assert ingress["user_config"]["policy"] == yaml.safe_load((ROOT / "configs" / "degradation.yaml").read_text())
     parse_policy(ingress["user_config"]["policy"])
+
+
+# -- slo, admission and flap damping sections ----------------------------------------------------
+
+SLO_DOC = {"slo": {"e2e_p99_ms": 2000, "ttft_p99_ms": 800, "default_class": "standard",
+                   "class_share": {"critical": 1.0, "standard": 0.8, "sheddable": 0.6}},
+           "admission": {"overhead_ms": 100, "prior_rate_per_s": 10, "max_retry_after_s": 20},
+           "flap_damping": {"window_s": 90, "dwell_factor": 3, "max_dwell_factor": 9, "reset_after_s": 300}}
+
+
+def test_slo_admission_and_flap_damping_sections_load() -> None:
+    cfg = parse_policy({"degradation": SLO_DOC})
+    assert cfg.slo is not None and cfg.slo.e2e_p99_ms == 2000 and cfg.slo.class_share.sheddable == 0.6
+    assert cfg.admission is not None and cfg.admission.max_retry_after_s == 20
+    assert cfg.flap_damping.factor(0) == 1 and cfg.flap_damping.factor(1) == 3
+    assert cfg.flap_damping.factor(2) == 9 and cfg.flap_damping.factor(50) == 9
+
+
+def test_sections_are_optional_with_documented_defaults() -> None:
+    cfg = parse_policy(REFERENCE)
+    assert cfg.slo is None and cfg.admission is None
+    fd = cfg.flap_damping
+    assert (fd.window_s, fd.dwell_factor, fd.max_dwell_factor, fd.reset_after_s) == (120, 2, 8, 600)
+    slo = parse_policy({"slo": {"e2e_p99_ms": 1500}}).slo
+    assert slo is not None and slo.default_class == "standard" and slo.ttft_p99_ms is None
+    assert (slo.class_share.critical, slo.class_share.standard, slo.class_share.sheddable) == (1.0, 0.8, 0.6)
+
+
+@pytest.mark.parametrize(
+    "doc, pattern",
+    [
+        ({"slo": {}}, r"slo\.e2e_p99_ms: Field required"),
+        ({"slo": {"e2e_p99_ms": -5}}, r"slo\.e2e_p99_ms: .*greater than 0.*-5"),
+        ({"slo": {"e2e_p99_ms": 2000, "e2e_p95_ms": 1000}}, r"unknown key 'e2e_p95_ms'"),
+        ({"slo": {"e2e_p99_ms": 2000, "ttft_p99_ms": 2500}},
+         r"ttft_p99_ms: 2500 must not exceed e2e_p99_ms: 2000"),
+        ({"slo": {"e2e_p99_ms": 2000, "default_class": "gold"}},
+         r"slo\.default_class: .*'critical', 'standard' or 'sheddable'.*'gold'"),
+        ({"slo": {"e2e_p99_ms": 2000, "class_share": {"standard": 0.5, "sheddable": 0.7}}},
+         r"class_share\.sheddable: 0\.7 must not exceed class_share\.standard: 0\.5"),
+        ({"slo": {"e2e_p99_ms": 2000, "class_share": {"critical": 1.5}}},
+         r"slo\.class_share\.critical: .*less than or equal to 1.*1\.5"),
+        ({"slo": {"e2e_p99_ms": 2000, "class_share": {"bronze": 0.1}}}, r"unknown key 'bronze'"),
+        ({"admission": {"overhead_ms": 50}}, r"admission: needs an 'slo' section"),
+        ({"slo": {"e2e_p99_ms": 2000}, "admission": {"overhead_ms": 2000}},
+         r"admission\.overhead_ms: 2000 must be below slo\.e2e_p99_ms: 2000"),
+        ({"slo": {"e2e_p99_ms": 2000}, "admission": {"min_retry_after_s": 10, "max_retry_after_s": 5}},
+         r"min_retry_after_s: 10 must not exceed max_retry_after_s: 5"),
+        ({"slo": {"e2e_p99_ms": 2000}, "admission": {"min_retry_after_s": 0}},
+         r"admission\.min_retry_after_s: .*greater than or equal to 1.*0"),
+        ({"slo": {"e2e_p99_ms": 2000}, "admission": {"rate_alpha": 0}},
+         r"admission\.rate_alpha: .*greater than 0"),
+        ({"slo": {"e2e_p99_ms": 2000}, "admission": {"retry_after_s": 1}}, r"unknown key 'retry_after_s'"),
+        ({"flap_damping": {"dwell_factor": 0.5}}, r"flap_damping\.dwell_factor: .*greater than or equal to 1.*0\.5"),
+        ({"flap_damping": {"window_s": 300, "reset_after_s": 100}},
+         r"flap_damping\.reset_after_s: 100 must be >= flap_damping\.window_s: 300"),
+        ({"flap_damping": {"window": 30}}, r"unknown key 'window'"),
+    ],
+)
+def test_bad_slo_admission_or_damping_is_rejected_naming_it(doc: dict, pattern: str) -> None:
+    with pytest.raises(PolicyError, match=pattern):
+        parse_policy(doc)
+
+
+# -- the SLO-derived policy ----------------------------------------------------------------------
+
+
+def test_derived_policy_from_the_slo_alone() -> None:
+    from policies.slo import derive_policy
+
+    cfg = derive_policy(parse_policy({"slo": {"e2e_p99_ms": 2000, "ttft_p99_ms": 800}}), max_num_seqs=16)
+    assert cfg.trigger_thresholds(1) == {"model_queued": 4, "queue_length": 4, "predicted_e2e_ms": 1000,
+                                         "kv_cache_usage": 0.8}
+    assert cfg.trigger_thresholds(2) == {"model_queued": 8, "queue_length": 8, "predicted_e2e_ms": 1300,
+                                         "kv_cache_usage": 0.9, "p95_latency_ms": 1800}
+    assert cfg.trigger_thresholds(3) == {"model_queued": 12, "queue_length": 12, "predicted_e2e_ms": 1600,
+                                         "p95_latency_ms": 2000, "ttft_p95_ms": 800}
+    assert cfg.recover_thresholds(1)["queue_length"] == 1  # the queue must essentially empty
+    assert cfg.recover_thresholds(3)["predicted_e2e_ms"] == pytest.approx(960)
+    # levels it had to add carry the default plan and the shipped dwell and cooldown
+    assert cfg.off_levels() == default_policy_off_levels()
+    assert (cfg.dwell_s(2), cfg.cooldown_s(2)) == (30, 15)
+
+
+def default_policy_off_levels():  # type: ignore[no-untyped-def]
+    return load_policy(ROOT / "configs" / "degradation.yaml").off_levels()
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 2, 3, 4, 8, 16, 64, 256])
+@pytest.mark.parametrize("max_waiting", [None, 0, 1, 5, 32])
+def test_derived_queue_triggers_are_reachable_and_ascend(max_num_seqs: int, max_waiting: int | None) -> None:
+    from policies.slo import derive_policy
+
+    cfg = derive_policy(parse_policy({"slo": {"e2e_p99_ms": 2000}}), max_num_seqs, max_waiting)
+    room = max_num_seqs if max_waiting is None else max_waiting
+    seen = []
+    for lv in (1, 2, 3):
+        trig = cfg.trigger_thresholds(lv)
+        for name in ("model_queued", "queue_length"):
+            if name in trig:
+                assert trig[name] <= room, (lv, name, trig[name], room)  # reachable
+        seen.append(trig.get("queue_length"))
+        assert trig["predicted_e2e_ms"] < 2000  # reached before the admission cap (the SLO)
+        assert cfg.level(lv) is not None
+    present = [q for q in seen if q is not None]
+    assert present == sorted(set(present))
+
+
+def test_explicit_thresholds_win_and_the_reference_json_is_untouched() -> None:
+    from policies.slo import derive_policy
+
+    doc = load_policy(ROOT / "configs" / "degradation.yaml").model_dump(mode="json", exclude_none=True)
+    doc["slo"] = {"e2e_p99_ms": 2000}
+    cfg = derive_policy(parse_policy(doc), max_num_seqs=16)
+    # queue_length is named by the document: its values stand at every level
+    assert [cfg.trigger_thresholds(lv)["queue_length"] for lv in (1, 2, 3)] == [4, 16, 48]
+    assert cfg.trigger_thresholds(1)["gpu_util"] == 0.85
+    # signals it does not name are derived, and reachable
+    assert cfg.trigger_thresholds(3)["model_queued"] == 12
+    assert cfg.dwell_s(1) == 30 and cfg.off_mode("audit_log").value == "defer"
+    # no slo: nothing derived (the reference JSON reads exactly as before)
+    ref = load_policy(ROOT / "configs" / "reference.json")
+    assert derive_policy(ref, 16) == ref == parse_policy(REFERENCE)
+
+
+def test_deriving_twice_changes_nothing() -> None:
+    from policies.slo import derive_policy
+
+    once = derive_policy(parse_policy({"slo": {"e2e_p99_ms": 3000, "ttft_p99_ms": 900}}), 32, 20)
+    assert derive_policy(once, 32, 20) == once
+    parse_policy(once.model_dump(mode="json"))  # and it round-trips through the actor's store
+
+
+def test_derived_policy_reaches_level_3_on_the_queue_the_caps_allow() -> None:
+    """The old level 3 (queue_length 48) could never fire with 16 waiting; the derived one does."""
+    from policies.controller import ControllerState, decide
+    from policies.signals import Signals
+    from policies.slo import derive_policy
+
+    cfg = derive_policy(parse_policy({"slo": {"e2e_p99_ms": 2000}}), max_num_seqs=16)
+    state = ControllerState()
+    levels = []
+    for t, waiting in enumerate([0, 2, 4, 8, 12, 16, 16]):  # vLLM's waiting queue: at most 16
+        state, _ = decide(cfg, state, Signals(at=t, values={"queue_length": waiting}), float(t))
+        levels.append(int(state.level))
+    assert levels == [0, 0, 1, 2, 3, 3, 3]
+    old = load_policy(ROOT / "configs" / "degradation.yaml")
+    assert old.trigger_thresholds(3)["queue_length"] > 16  # why this was needed
+
+
+def test_derive_rejects_a_bad_batch_size() -> None:
+    from policies.slo import derive_policy
+
+    with pytest.raises(ValueError, match=r"max_num_seqs must be >= 1, got 0"):
+        derive_policy(parse_policy({"slo": {"e2e_p99_ms": 2000}}), 0)

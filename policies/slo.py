@@ -1,0 +1,158 @@
+"""Derive a degradation policy from the SLO and the engine's batch size.
+
+``derive_policy(config, max_num_seqs)`` fills in the levels of a policy that has an ``slo``
+section, so that a user sets ``slo: {e2e_p99_ms: 2000}`` and gets triggers that fit it. Pure: no
+I/O; the result is validated like any policy.
+
+The rule, and why:
+
+- **Rise on early signals, before latency is lost.** Latency percentiles move only after many
+  requests have already been slow; the queue in front of the model and the admission
+  controller's predicted end-to-end time (`policies.admission`) move as soon as work piles up.
+  So every level triggers on those first and on latency only as a backstop:
+
+  ========  ==============================  ==========================  ======================
+  level     requests waiting for the model  ``predicted_e2e_ms``        backstop
+            (``model_queued``,
+            ``queue_length``)
+  ========  ==============================  ==========================  ======================
+  1         >= 1/4 of the waiting room      >= 50% of ``e2e_p99_ms``    kv_cache_usage 0.80
+  2         >= 1/2                          >= 65%                      kv 0.90, p95 >= 90% SLO
+  3         >= 3/4                          >= 80%                      p95 >= SLO, ttft_p95 >=
+                                                                        ``ttft_p99_ms``
+  ========  ==============================  ==========================  ======================
+
+  With the default class shares, sheddable work is refused once the prediction passes about
+  62% of a 2 s SLO and standard work about 81%: level 1 comes before any refusal, level 2 once
+  sheddable work is being refused, level 3 as standard work starts to be.
+- **Reachable by construction.** The waiting room is ``max_waiting`` requests (default
+  ``max_num_seqs``: the model deployment admits twice its batch, so at most one batch waits in
+  vLLM); a queue threshold above it could never fire (the old level 3's ``queue_length: 48``
+  against at most 16 waiting), so none is derived above it, and a level whose quarter-steps do
+  not fit keeps only its other triggers. The predicted time reaches the SLO at the admission cap.
+- **Fall with the existing hysteresis.** Queue triggers recover below a quarter of their value
+  (4 -> 1: the queue must essentially empty), the prediction below 60% of its trigger, the rest
+  at the policy's ``recover_ratio``; dwell, cooldown and flap damping are the controller's.
+- **Explicit values win.** A signal the document names at any level is left entirely to the
+  document (its thresholds at every level); only signals it does not name are derived. A level
+  the document leaves out gets the default features to turn off (level 1: cache writes, debug
+  capture, light metrics; level 2: personalization, A/B, feature statistics; level 3: every
+  optional feature) and a 30 s dwell with a 15 s cooldown. Deriving twice changes nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from pydantic import ValidationError
+
+from policies.config import LEVEL_KEYS, DegradationConfig, PolicyError, SloConfig, _format
+
+QUEUE_FRACTIONS = (0.25, 0.5, 0.75)  # of the waiting room, per level
+PREDICTED_FRACTIONS = (0.5, 0.65, 0.8)  # of e2e_p99_ms, per level
+QUEUE_RECOVER_RATIO = 0.25
+PREDICTED_RECOVER_RATIO = 0.6
+DEFAULT_DISABLE = (
+    ["semantic_cache_write", "debug_capture", "light_metrics"],
+    ["personalization", "ab_test", "feature_stats"],
+    ["all_non_critical"],
+)
+DEFAULT_DWELL_S = 30.0
+DEFAULT_COOLDOWN_S = 15.0
+
+
+def queue_thresholds(max_waiting: int) -> tuple[int | None, int | None, int | None]:
+    """Per level, the waiting-request count that triggers it; None where it cannot fit.
+
+    Strictly ascending integers, each at most ``max_waiting`` (reachable).
+    """
+    out: list[int | None] = []
+    prev = 0
+    for fraction in QUEUE_FRACTIONS:
+        value = max(prev + 1, math.ceil(fraction * max_waiting))
+        if value > max_waiting:
+            out.append(None)
+            continue
+        out.append(value)
+        prev = value
+    return out[0], out[1], out[2]
+
+
+def derived_levels(
+    slo: SloConfig, max_num_seqs: int, max_waiting: int | None = None
+) -> dict[str, dict[str, dict[str, float]]]:
+    """``{"level1": {"trigger": {...}, "recover": {...}}, ...}`` for an SLO and a batch size."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs!r}")
+    waiting = max_num_seqs if max_waiting is None else max_waiting
+    if waiting < 0:
+        raise ValueError(f"max_waiting must be >= 0, got {max_waiting!r}")
+    e2e = slo.e2e_p99_ms
+    queues = queue_thresholds(waiting)
+    levels: dict[str, dict[str, dict[str, float]]] = {}
+    for i, key in enumerate(LEVEL_KEYS):
+        trigger: dict[str, float] = {}
+        recover: dict[str, float] = {}
+        q = queues[i]
+        if q is not None:
+            for name in ("model_queued", "queue_length"):
+                trigger[name] = float(q)
+                recover[name] = q * QUEUE_RECOVER_RATIO
+        predicted = round(PREDICTED_FRACTIONS[i] * e2e, 1)
+        trigger["predicted_e2e_ms"] = predicted
+        recover["predicted_e2e_ms"] = round(predicted * PREDICTED_RECOVER_RATIO, 1)
+        if i == 0:
+            trigger["kv_cache_usage"] = 0.80
+        elif i == 1:
+            trigger["kv_cache_usage"] = 0.90
+            trigger["p95_latency_ms"] = round(0.9 * e2e, 1)
+        else:
+            trigger["p95_latency_ms"] = float(e2e)
+            if slo.ttft_p99_ms is not None:
+                trigger["ttft_p95_ms"] = float(slo.ttft_p99_ms)
+        levels[key] = {"trigger": trigger, "recover": recover}
+    return levels
+
+
+def derive_policy(
+    config: DegradationConfig, max_num_seqs: int, max_waiting: int | None = None
+) -> DegradationConfig:
+    """``config`` with its levels filled in from its ``slo`` (unchanged when it has none).
+
+    ``max_num_seqs``: the engine's batch size; ``max_waiting``: how many requests can wait for
+    the model (default ``max_num_seqs``). Raises `PolicyError` if the result does not validate.
+    """
+    if config.slo is None:
+        return config
+    derived = derived_levels(config.slo, max_num_seqs, max_waiting)
+    doc: dict[str, Any] = config.model_dump(mode="json", exclude_none=True)
+    named = {
+        name
+        for key in LEVEL_KEYS
+        for name in (doc.get(key) or {}).get("trigger", {})
+    }
+    for i, key in enumerate(LEVEL_KEYS):
+        level = doc.get(key)
+        if level is None:
+            level = {
+                "disable": list(DEFAULT_DISABLE[i]),
+                "recover_dwell_s": DEFAULT_DWELL_S,
+                "cooldown_s": DEFAULT_COOLDOWN_S,
+            }
+        trigger = dict(level.get("trigger", {}))
+        recover = dict(level.get("recover", {}))
+        for name, value in derived[key]["trigger"].items():
+            if name in named:
+                continue  # the document owns this signal
+            trigger[name] = value
+            if name in derived[key]["recover"]:
+                recover[name] = derived[key]["recover"][name]
+        doc[key] = {**level, "trigger": trigger, "recover": recover}
+    try:
+        return DegradationConfig.model_validate(doc)
+    except ValidationError as err:
+        raise PolicyError(f"derived policy: {_format(err)}") from None
+
+
+__all__ = ["derive_policy", "derived_levels", "queue_thresholds"]
