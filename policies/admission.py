@@ -53,12 +53,14 @@ admitted meanwhile.
 Wiring (the ingress)::
 
     admission = AdmissionController.from_config(policy, max_num_seqs=16)   # None: admit all
-    klass = classify(tier_class, request.headers.get(CRITICALITY_HEADER))  # ValueError -> 400
+    klass = classify(key_tier or policy.slo.default_class, headers.get(CRITICALITY_HEADER))  # ValueError: 400
     d = admission.decide(klass, ahead=in_flight, now=time.time())
     if not d.admitted:   # d.status 429/503, d.reason, d.retry_after_s -> Retry-After header
         ...
-    in_flight += 1; ...; in_flight -= 1
-    admission.observe_completion(time.time(), in_flight)      # successful completions only
+    in_flight += 1                          # request["priority"] = klass.vllm_priority
+    ...; in_flight -= 1
+    admission.observe_completion(time.time(), in_flight)      # served by the model only
+    # on reconfigure(): admission.update(policy.slo, policy.admission or AdmissionConfig())
     # the model deployment, before the engine starts a request:
     if should_drop(d.deadline_at, time.time()): ...            # abort, answer 503
     # every report tick: admission.signals(in_flight) -> predicted_e2e_ms, model_queued
@@ -85,6 +87,11 @@ class Criticality(str, enum.Enum):
 
     @property
     def rank(self) -> int:
+        return _RANK[self]
+
+    @property
+    def vllm_priority(self) -> int:
+        """vLLM's ``priority`` under its priority scheduling policy: lower starts first."""
         return _RANK[self]
 
 
@@ -195,6 +202,20 @@ class AdmissionController:
     """
 
     def __init__(self, slo: SloConfig, settings: AdmissionConfig, slots: int) -> None:
+        self._configure(slo, settings, slots)
+        prior = settings.prior_rate_per_s or default_prior_rate(slo, self.slots)
+        self.estimator = RateEstimator(prior, settings.rate_window_s, settings.rate_alpha)
+        self._caps: tuple[int, ...] = ()
+        self._recompute()
+
+    def update(self, slo: SloConfig, settings: AdmissionConfig, slots: int | None = None) -> None:
+        """Apply a reloaded policy, keeping the measured rate (a prior only seeds a new one)."""
+        self._configure(slo, settings, self.slots if slots is None else slots)
+        self.estimator.window_s = settings.rate_window_s
+        self.estimator.alpha = settings.rate_alpha
+        self._recompute()
+
+    def _configure(self, slo: SloConfig, settings: AdmissionConfig, slots: int) -> None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1 (the engine's batch size), got {slots!r}")
         self.slo = slo
@@ -210,10 +231,6 @@ class AdmissionController:
         self.e2e_s = slo.e2e_p99_ms / 1000.0
         shares = slo.class_share
         self._shares = tuple(getattr(shares, c.value) for c in Criticality)
-        prior = settings.prior_rate_per_s or default_prior_rate(slo, self.slots)
-        self.estimator = RateEstimator(prior, settings.rate_window_s, settings.rate_alpha)
-        self._caps: tuple[int, ...] = ()
-        self._recompute()
 
     @classmethod
     def from_config(
@@ -234,7 +251,11 @@ class AdmissionController:
     # -- the hot path ------------------------------------------------------------------------
 
     def decide(self, criticality: Criticality, ahead: int, now: float) -> Decision:
-        """Admit or refuse one request with ``ahead`` requests admitted and unfinished before it."""
+        """Admit or refuse one request with ``ahead`` (>= 0) requests admitted and unfinished.
+
+        ``ahead``: what this replica admitted that has not finished yet (counting from admission
+        is conservative: a request still in its pre stages will reach the model soon).
+        """
         rank = _RANK[criticality]
         cap = self._caps[rank]
         rate = self.estimator.rate_per_s
@@ -256,7 +277,8 @@ class AdmissionController:
     def observe_completion(self, now: float, in_flight: int) -> None:
         """A request finished at ``now``; ``in_flight`` admitted requests are still unfinished.
 
-        Feed successful completions only: an abort or an error says nothing about capacity.
+        Feed completions of requests the model served only: an abort, an error or a
+        semantic-cache answer says nothing about the model's capacity.
         """
         busy_at = min(self.slots, self._caps[0])
         if self.estimator.observe(now, in_flight, busy_at):

@@ -308,3 +308,20 @@ def test_rate_estimator_converges(prior, true_rate) -> None:  # type: ignore[no-
     est = RateEstimator(prior, window_s=1.0, alpha=0.3)
     feed(est, true_rate, seconds=60, in_flight=64, busy_at=16)
     assert est.rate_per_s == pytest.approx(true_rate, rel=0.05)
+
+
+def test_update_keeps_the_measured_rate() -> None:
+    ctl = controller()
+    t = 0.0
+    for _ in range(400):
+        t += 0.05
+        ctl.observe_completion(t, in_flight=20)
+    measured = ctl.rate_per_s
+    tighter = SloConfig(e2e_p99_ms=1100)  # budget 1 s: caps halve, the rate stays
+    ctl.update(tighter, SETTINGS)
+    assert ctl.rate_per_s == measured and ctl.budget_s == pytest.approx(1.0)
+    assert ctl.max_admitted(C) == int(measured * 1.0)
+
+
+def test_classes_map_to_vllm_priority_critical_first() -> None:
+    assert [k.vllm_priority for k in (C, S, D)] == [0, 1, 2]
