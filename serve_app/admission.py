@@ -1,0 +1,145 @@
+"""The ingress's door: a request's class, deadline-aware admission, honest refusals.
+
+`AdmissionGate` wraps the pure rule (`policies.admission.AdmissionController`) with what only
+the ingress knows: how many requests it has admitted that have not finished yet (``in_flight``:
+from admission until the model's last token, open streams included), which of them the model
+actually served (only those feed the service-rate estimate), and the HTTP shape of a refusal.
+
+A request is classified first (its key's tier once keys exist, else the policy's
+``slo.default_class``; the ``X-Brownout-Criticality`` header may lower it, never raise it), then
+admitted or refused before any enrichment or model work:
+
+- 429 ``class_share_exhausted``: this class's share of the latency budget is used up, more
+  important work still gets in;
+- 503 ``saturated``: even critical work would miss the SLO.
+
+Both carry OpenAI's error JSON, a ``Retry-After`` computed from the predicted drain time of the
+backlog, and ``X-Brownout-Criticality``; each is counted by class and reason. An admitted request
+gets a `Ticket`: its class (vLLM ``priority``) and the deadline past which the model deployment
+drops it instead of computing an answer nobody can use. Release every ticket exactly once
+(`release` is idempotent), whatever happened to the request.
+
+A policy without an ``slo`` section admits everything (the gate still classifies and counts).
+Plain logic, no Ray: the clock and the refusal hook are constructor arguments.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from policies.admission import CRITICALITY_HEADER, AdmissionController, Criticality, Decision, classify
+from policies.config import AdmissionConfig, DegradationConfig
+from serve_app.openai_api import RequestError
+
+__all__ = ["AdmissionGate", "Ticket"]
+
+_KIND = {429: "rate_limit_error", 503: "service_unavailable"}
+
+
+@dataclass
+class Ticket:
+    """One admitted request, until `AdmissionGate.release`."""
+
+    criticality: Criticality
+    deadline_at: float | None  # wall-clock seconds; None when admission is off
+    released: bool = False
+
+    @property
+    def priority(self) -> int:
+        """vLLM's ``priority`` (priority scheduling: lower starts first)."""
+        return self.criticality.vllm_priority
+
+
+class AdmissionGate:
+    """Admission for one ingress replica. Not thread-safe: use it from the event loop."""
+
+    def __init__(
+        self,
+        max_num_seqs: int,
+        clock: Callable[[], float] = time.time,
+        on_refusal: Callable[[Criticality, str], None] | None = None,
+    ) -> None:
+        self.max_num_seqs = max_num_seqs
+        self._clock = clock
+        self._on_refusal = on_refusal or (lambda criticality, reason: None)
+        self.controller: AdmissionController | None = None
+        self.default_class = Criticality.STANDARD
+        self.in_flight = 0
+        self.admitted: Counter[str] = Counter()
+        self.refused: Counter[tuple[str, str]] = Counter()
+        self.dropped_late = 0
+
+    def configure(self, policy: DegradationConfig) -> None:
+        """Apply a (re)loaded policy; a measured service rate is kept across reloads."""
+        slo = policy.slo
+        self.default_class = Criticality(slo.default_class) if slo is not None else Criticality.STANDARD
+        settings = policy.admission or AdmissionConfig()
+        if slo is None or not settings.enabled:
+            self.controller = None
+        elif self.controller is None:
+            self.controller = AdmissionController.from_config(policy, self.max_num_seqs)
+        else:
+            self.controller.update(slo, settings)
+
+    def admit(self, criticality_header: str | None, base: Criticality | None = None) -> Ticket:
+        """Admit the request or raise the `RequestError` that refuses it (400 for a bad header)."""
+        try:
+            criticality = classify(base or self.default_class, criticality_header)
+        except ValueError as err:
+            raise RequestError(400, str(err), CRITICALITY_HEADER) from None
+        deadline_at = None
+        if self.controller is not None:
+            decision = self.controller.decide(criticality, self.in_flight, self._clock())
+            if not decision.admitted:
+                raise self._refusal(decision)
+            deadline_at = decision.deadline_at
+        self.in_flight += 1
+        self.admitted[criticality.value] += 1
+        return Ticket(criticality, deadline_at)
+
+    def release(self, ticket: Ticket, served: bool) -> None:
+        """The request is over. ``served``: the model computed its answer to the end (only
+        those measure the service rate; aborts, errors and cache answers do not)."""
+        if ticket.released:
+            return
+        ticket.released = True
+        self.in_flight -= 1
+        if served and self.controller is not None:
+            self.controller.observe_completion(self._clock(), self.in_flight)
+
+    def _refusal(self, d: Decision) -> RequestError:
+        reason, klass = d.reason, d.criticality.value
+        self.refused[(klass, reason)] += 1
+        self._on_refusal(d.criticality, reason)
+        if reason == "saturated":
+            why = "the service is saturated: even critical requests would miss the latency objective"
+        else:
+            why = f"{klass} requests are being shed to keep more important work within its latency objective"
+        message = (f"{why} ({self.in_flight} requests ahead, {klass} admitted below {d.max_admitted}; "
+                   f"predicted {d.predicted_e2e_s:.1f} s). Retry after {d.retry_after_s} s.")
+        return RequestError(d.status, message, None, kind=_KIND[d.status], headers={
+            "Retry-After": str(d.retry_after_s), "X-Brownout-Criticality": klass,
+        })
+
+    def signals(self) -> dict[str, float]:
+        """Early signals for the policy actor: predicted end-to-end time, requests waiting for
+        the model's batch; nothing while admission is off."""
+        return self.controller.signals(self.in_flight) if self.controller is not None else {}
+
+    def state(self) -> dict[str, Any]:
+        """For ``/admin/brownout``: the caps per class, the measured rate, the counters."""
+        ctl = self.controller
+        return {
+            "enabled": ctl is not None,
+            "in_flight": self.in_flight,
+            "default_class": self.default_class.value,
+            "rate_per_s": None if ctl is None else round(ctl.rate_per_s, 3),
+            "max_admitted": None if ctl is None else {c.value: ctl.max_admitted(c) for c in Criticality},
+            "admitted": dict(self.admitted),
+            "refused": {f"{c}:{r}": n for (c, r), n in sorted(self.refused.items())},
+            "dropped_late": self.dropped_late,
+        }

@@ -1,0 +1,107 @@
+"""The ingress's admission gate: classes, refusals in OpenAI's shape, tickets released once."""
+
+from __future__ import annotations
+
+import pytest
+
+from policies.admission import Criticality
+from policies.config import parse_policy
+from serve_app.admission import AdmissionGate
+from serve_app.openai_api import RequestError
+from tests.fakes.clock import FakeClock
+
+LEVEL = {"trigger": {"queue_length": 4}}
+SLO_POLICY = {"level1": LEVEL, "slo": {"e2e_p99_ms": 2000},
+              # 10 requests/s, 1.9 s budget: critical cap 19, standard 15, sheddable 11
+              "admission": {"prior_rate_per_s": 10, "overhead_ms": 100}}
+
+
+def gate(policy: dict = SLO_POLICY, refusals: list | None = None) -> AdmissionGate:
+    g = AdmissionGate(max_num_seqs=16, clock=FakeClock(),
+                      on_refusal=(lambda c, r: refusals.append((c, r))) if refusals is not None else None)
+    g.configure(parse_policy(policy))
+    return g
+
+
+def fill(g: AdmissionGate, n: int) -> list:
+    return [g.admit(None, base=Criticality.CRITICAL) for _ in range(n)]
+
+
+def test_without_slo_everything_is_admitted_and_classified() -> None:
+    g = gate({"level1": LEVEL})
+    tickets = [g.admit(None) for _ in range(500)]
+    assert g.in_flight == 500 and tickets[0].deadline_at is None
+    assert tickets[0].criticality is Criticality.STANDARD and g.signals() == {}
+
+
+def test_admitted_ticket_carries_deadline_and_priority() -> None:
+    g = gate()
+    t = g.admit(None)
+    assert t.criticality is Criticality.STANDARD and t.priority == 1
+    assert t.deadline_at == pytest.approx(1000.0 + 2.0)
+    assert g.in_flight == 1 and g.admitted == {"standard": 1}
+
+
+def test_sheddable_is_refused_first_with_429_and_a_computed_retry_after() -> None:
+    refusals: list = []
+    g = gate(refusals=refusals)
+    fill(g, 11)
+    with pytest.raises(RequestError) as err:
+        g.admit("sheddable")
+    e = err.value
+    assert e.status == 429 and e.kind == "rate_limit_error"
+    assert e.headers == {"Retry-After": "1", "X-Brownout-Criticality": "sheddable"}
+    assert "11 requests ahead, sheddable admitted below 11" in e.message
+    assert g.admit("standard").criticality is Criticality.STANDARD  # standard still fits
+    assert refusals == [(Criticality.SHEDDABLE, "class_share_exhausted")]
+    assert g.refused == {("sheddable", "class_share_exhausted"): 1} and g.in_flight == 12
+
+
+def test_saturated_is_503_and_retry_after_grows_with_the_backlog() -> None:
+    g = gate()
+    fill(g, 19)
+    with pytest.raises(RequestError) as first:
+        g.admit(None, base=Criticality.CRITICAL)
+    assert first.value.status == 503 and first.value.kind == "service_unavailable"
+    g.in_flight = 60  # a deeper backlog (admitted before the measured rate fell): later retry
+    with pytest.raises(RequestError) as deeper:
+        g.admit(None, base=Criticality.CRITICAL)
+    assert int(deeper.value.headers["Retry-After"]) > int(first.value.headers["Retry-After"])
+
+
+def test_header_lowers_never_raises_and_a_bad_value_is_a_400_naming_it() -> None:
+    g = gate({**SLO_POLICY, "slo": {"e2e_p99_ms": 2000, "default_class": "sheddable"}})
+    assert g.admit("critical").criticality is Criticality.SHEDDABLE
+    with pytest.raises(RequestError) as err:
+        g.admit("urgent")
+    assert err.value.status == 400 and err.value.param == "X-Brownout-Criticality"
+    assert "unknown class 'urgent'" in err.value.message
+
+
+def test_release_is_idempotent_and_only_served_requests_measure_the_rate() -> None:
+    clock = FakeClock()
+    g = AdmissionGate(max_num_seqs=16, clock=clock)
+    g.configure(parse_policy(SLO_POLICY))
+    t = g.admit(None)
+    g.release(t, served=False)
+    g.release(t, served=True)
+    assert g.in_flight == 0
+
+    def finish_at_30_per_s(served: bool) -> None:
+        for _ in range(41):  # the first completion opens the window; 1.33 s at 30/s
+            clock.advance(1 / 30)
+            g.release(g.admit(None), served=served)
+
+    finish_at_30_per_s(served=False)  # aborts and errors say nothing about capacity
+    assert g.controller.rate_per_s == 10
+    finish_at_30_per_s(served=True)
+    assert g.controller.rate_per_s > 10
+
+
+def test_reload_keeps_the_gate_and_can_turn_admission_off() -> None:
+    g = gate()
+    ctl = g.controller
+    g.configure(parse_policy({**SLO_POLICY, "slo": {"e2e_p99_ms": 4000}}))
+    assert g.controller is ctl and ctl.max_admitted(Criticality.CRITICAL) == 39
+    g.configure(parse_policy({**SLO_POLICY, "admission": {"enabled": False}}))
+    assert g.controller is None and g.state()["enabled"] is False
