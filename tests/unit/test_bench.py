@@ -1,0 +1,273 @@
+"""The overload benchmark's pure parts: schedule, profiles, SLO rule, calibration search, report
+figures; and one load run against a fake server (httpx.MockTransport). No timed assertions."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+
+import httpx
+import pytest
+
+from bench import report as rep
+from bench.loadgen import (
+    CRITICALITY_HEADER,
+    CUT_OFF,
+    DEFAULT_MIX,
+    Calibration,
+    Probe,
+    RequestRecord,
+    RunResult,
+    SloRule,
+    calibrate,
+    constant,
+    make_prompt,
+    oscillate,
+    parse_mix,
+    run_load,
+    schedule,
+    step,
+)
+
+
+def rec(i: int, at: float, done: float | None, status: int | None = 200, crit: str | None = None,
+        level: int | None = None, first: float | None = None) -> RequestRecord:
+    r = RequestRecord(i, at, crit, sent_s=at, first_token_s=first, done_s=done, status=status)
+    if level is not None:
+        r.headers["x-brownout-level"] = str(level)
+    return r
+
+
+# -- profiles and schedule ---------------------------------------------------------------------
+
+def test_step_profile_rates_and_change_points() -> None:
+    p = step(4.0, low_s=10, high_s=20)
+    assert p.duration_s == 40 and p.peak_rps == 12.0
+    assert [p.rate_at(t) for t in (0, 9.9, 10, 29.9, 30, 39.9, 40)] == [2, 2, 12, 12, 2, 2, 0]
+    assert p.change_points_s == [10, 30]
+
+
+def test_oscillate_swings_around_center_never_negative() -> None:
+    p = oscillate(3.0, 1.5, period_s=20, duration_s=40)
+    assert p.rate_at(5) == pytest.approx(4.5) and p.rate_at(15) == pytest.approx(1.5)
+    assert p.mean_rps(0, 40) == pytest.approx(3.0, abs=0.01)
+    assert min(oscillate(1.0, 5.0, 10, 10).rate_at(t / 10) for t in range(100)) >= 0
+
+
+def test_schedule_is_poisson_with_the_profile_rate_and_reproducible() -> None:
+    p = constant(10.0, 200.0)
+    a = schedule(p, random.Random(7))
+    assert a == schedule(p, random.Random(7)) and a != schedule(p, random.Random(8))
+    assert 0.9 * 2000 < len(a) < 1.1 * 2000
+    times = [x.at_s for x in a]
+    assert times == sorted(times) and 0 < times[0] and times[-1] < 200
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    mean = sum(gaps) / len(gaps)
+    cv = (sum((g - mean) ** 2 for g in gaps) / len(gaps)) ** 0.5 / mean
+    assert 0.9 < cv < 1.1  # exponential gaps: coefficient of variation 1
+
+
+def test_schedule_follows_a_step_and_respects_max_requests() -> None:
+    p = step(10.0, low_s=100, high_s=100)  # 5/s, 30/s, 5/s
+    a = schedule(p, random.Random(1))
+    low = sum(1 for x in a if x.at_s < 100)
+    high = sum(1 for x in a if 100 <= x.at_s < 200)
+    assert 4.5 < high / low < 7.5
+    assert len(schedule(p, random.Random(1), max_requests=50)) == 50
+
+
+def test_mix_draws_classes_with_their_weights() -> None:
+    a = schedule(constant(50.0, 100.0), random.Random(3), mix=DEFAULT_MIX)
+    share = {c: sum(1 for x in a if x.criticality == c) / len(a) for c, _ in DEFAULT_MIX}
+    for c, w in DEFAULT_MIX:
+        assert abs(share[c] - w) < 0.03, share
+
+
+def test_parse_mix() -> None:
+    assert parse_mix("20/50/30") == (("critical", 0.2), ("standard", 0.5), ("sheddable", 0.3))
+    with pytest.raises(ValueError, match="three non-negative weights"):
+        parse_mix("50/50")
+
+
+def test_prompts_are_distinct_and_differ_between_seeds() -> None:
+    rng = random.Random(5)
+    prompts = [make_prompt(rng) for _ in range(500)]
+    assert len(set(prompts)) == 500
+    assert make_prompt(random.Random(1)) != make_prompt(random.Random(2))
+    assert len(prompts[0].split()) == 12
+
+
+# -- SLO rule and calibration ------------------------------------------------------------------
+
+def test_slo_rule_allows_one_percent_late_and_one_percent_errors() -> None:
+    rule = SloRule(slo_ms=2000)
+    fine = [rec(i, i * 0.1, i * 0.1 + 1.0) for i in range(200)]
+    assert rule.passed(fine)
+    two_late = fine[:198] + [rec(198, 0, 3.0), rec(199, 0, 2.5)]
+    assert rule.passed(two_late)
+    assert not rule.passed(two_late[:197] + [rec(197, 0, 2.1)] + two_late[198:])
+    two_errors = fine[:198] + [rec(198, 0, 0.01, 503), rec(199, 0, None, CUT_OFF)]
+    assert rule.passed(two_errors)
+    assert not rule.passed(fine[:197] + [rec(197, 0, 0.01, 503)] + two_errors[198:])
+
+
+@pytest.mark.parametrize("done, now, expected", [
+    # (per request: done time or None for still running), now, certainly failed?
+    ([1.0] * 99 + [None], 1.5, False),     # nothing late yet
+    ([1.0] * 98 + [3.0, None], 2.5, False),  # 1 late allowed, the overdue one may still become 1 error
+    ([1.0] * 97 + [3.0, 3.0, None], 2.5, True),  # 2 late > 1 allowed
+    ([1.0] * 97 + [3.0, None, None], 2.5, True),  # 1 late + 2 overdue > 1 late + 1 error
+])
+def test_certainly_failed(done: list, now: float, expected: bool) -> None:  # type: ignore[type-arg]
+    rule = SloRule(slo_ms=2000)
+    records = [rec(i, 0.0, d) for i, d in enumerate(done)]
+    assert rule.certainly_failed(records, now, n_planned=100) is expected
+
+
+def fake_server(capacity: float):  # type: ignore[no-untyped-def]
+    calls: list[float] = []
+
+    def measure(rate: float) -> Probe:
+        calls.append(rate)
+        return Probe(rate, rate <= capacity, 100, 0, None)
+
+    return measure, calls
+
+
+@pytest.mark.parametrize("capacity, start", [(3.4, 2.0), (6.75, 4.25), (0.7, 2.0), (3.4, 3.4), (20.0, 1.0)])
+def test_calibrate_brackets_then_bisects(capacity: float, start: float) -> None:
+    measure, calls = fake_server(capacity)
+    cal = calibrate(measure, start, growth=2.0, bisect_steps=4)
+    assert isinstance(cal, Calibration) and cal.bracketed
+    assert cal.capacity_rps <= capacity
+    lowest_failing = min(p.rate_rps for p in cal.probes if not p.passed)
+    assert cal.capacity_rps == max(p.rate_rps for p in cal.probes if p.passed)
+    # four halvings of a factor-2 bracket: within 1/16 of the bracket's low end
+    assert lowest_failing - cal.capacity_rps <= cal.capacity_rps / 16 + 1e-9
+    assert len(calls) == len(cal.probes) <= 12
+
+
+def test_calibrate_edge_cases() -> None:
+    measure, _ = fake_server(0.0)
+    assert calibrate(measure, 1.0, min_rps=0.2).capacity_rps == 0.0
+    measure, _ = fake_server(1000.0)
+    cal = calibrate(measure, 1.0, max_rps=8.0)
+    assert (cal.capacity_rps, cal.bracketed) == (8.0, False)
+
+
+# -- report ------------------------------------------------------------------------------------
+
+def test_percentile_interpolates() -> None:
+    assert rep.percentile([], 50) is None
+    assert rep.percentile([5.0], 99) == 5.0
+    assert rep.percentile([1, 2, 3, 4], 50) == 2.5
+    assert rep.percentile(list(range(101)), 99) == pytest.approx(99.0)
+    assert rep.percentile([10, 0], 100) == 10
+
+
+def test_summary_goodput_throughput_and_statuses() -> None:
+    records = [rec(0, 0.0, 1.0, first=0.5), rec(1, 1.0, 4.0, first=3.0),  # ok; ok but late (3 s)
+               rec(2, 2.0, 2.01, 503), rec(3, 3.0, None, CUT_OFF), rec(4, 4.0, 5.0)]
+    records[4].error = "stream ended without [DONE]"
+    s = rep.summarize(records, slo_ms=2000, span_s=5.0)
+    assert (s["requests"], s["ok"], s["good"], s["shed"], s["errors"]) == (5, 2, 1, 1, 3)
+    assert s["offered_rps"] == 1.0 and s["throughput_rps"] == 0.4 and s["goodput_rps"] == 0.2
+    assert s["status_counts"] == {"200": 2, "200_stream_error": 1, "503": 1, "cut_off": 1}
+    assert s["e2e_ms"]["p50"] == 2000.0 and s["ttft_ms"]["p99"] == pytest.approx(1985.0)
+
+
+def test_rates_use_the_active_time_when_completions_run_past_the_schedule() -> None:
+    records = [rec(i, i * 1.0, i * 1.0 + 10.0) for i in range(10)]  # last one done at t = 19
+    s = rep.summarize(records, slo_ms=2000, span_s=10.0)
+    assert s["active_s"] == 19.0 and s["throughput_rps"] == round(10 / 19, 3) and s["goodput_rps"] == 0.0
+
+
+def test_per_class_and_windows() -> None:
+    records = [rec(0, 0.5, 1.0, crit="critical", level=0), rec(1, 1.0, 1.1, 503, crit="sheddable", level=2),
+               rec(2, 6.0, 9.5, crit="critical", level=1), rec(3, 7.0, 7.2, crit="sheddable", level=1)]
+    pc = rep.per_class(records, 2000, span_s=10.0)
+    assert list(pc) == ["critical", "sheddable"]
+    assert pc["sheddable"]["shed_ratio"] == 0.5 and pc["critical"]["good"] == 1
+    w = rep.windows(records, 2000, span_s=10.0, window_s=5.0)
+    assert [x["t_s"] for x in w] == [0.0, 5.0]
+    assert w[0]["offered_rps"] == 0.4 and w[0]["shed_ratio"] == {"critical": 0.0, "sheddable": 1.0}
+    assert w[1]["completed_rps"] == 0.4 and w[1]["goodput_rps"] == 0.2 and w[1]["e2e_ms"]["p50"] == 1850.0
+    assert (w[0]["max_level"], w[1]["max_level"]) == (2, 1)
+
+
+def test_reaction_time_and_level_changes() -> None:
+    timeline = [(0.0, 0), (5.0, 0), (10.5, 0), (11.0, 1), (12.0, 3), (20.0, 2)]
+    assert rep.reaction_s(timeline, 10.0) == 1.0
+    assert rep.reaction_s(timeline, 10.0, min_level=3) == 2.0
+    assert rep.reaction_s(timeline, 11.5) == 0.0
+    assert rep.reaction_s([(0.0, 0), (9.0, 0)], 1.0) is None
+    assert rep.level_changes(timeline) == 3
+
+
+def test_level_timeline_prefers_polls_and_falls_back_to_headers() -> None:
+    records = [rec(0, 0.0, 1.0, level=0), rec(1, 1.0, 2.0, level=2)]
+    result = RunResult(constant(1.0, 2.0), records, [], 0.0, 1)
+    assert rep.level_timeline(result) == [(1.0, 0), (2.0, 2)]
+    result.levels.append({"t_s": 0.5, "level": 1})
+    assert rep.level_timeline(result) == [(0.5, 1)]
+
+
+def test_run_report_and_plot(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    records = [rec(i, i * 0.5, i * 0.5 + 1.0, crit="standard", level=i % 2, first=i * 0.5 + 0.2) for i in range(20)]
+    doc = rep.run_report("demo", RunResult(step(2.0, 2.0, 6.0), records, [], 0.0, 3), 2000.0, system="x")
+    assert doc["overall"]["good"] == 20 and doc["load_steps_s"] == [2.0, 8.0] and doc["system"] == "x"
+    json.dumps(doc)
+    path = tmp_path / "fig.png"
+    rep.plot_runs([doc, doc], str(path), "demo", 2000.0,
+                  [{"name": "demo", "offered_rps": 2.0, "goodput_rps": 1.5, "p99_ms": 900.0, "shed_ratio": 0.0}])
+    assert path.stat().st_size > 10_000
+
+
+# -- one run against a fake server -------------------------------------------------------------
+
+def sse_handler(seen: list[httpx.Request]):  # type: ignore[no-untyped-def]
+    def handle(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        if request.url.path == "/admin/brownout":
+            return httpx.Response(200, json={"level": 1, "policy_level": 1, "signals": {"values": {"queue_length": 3}}})
+        body = json.loads(request.content)
+        if body["messages"][0]["content"].startswith("x"):
+            return httpx.Response(503, headers={"Retry-After": "1", "X-Brownout-Level": "1"},
+                                  json={"error": {"message": "full"}})
+        chunks = [{"choices": [{"delta": {"role": "assistant", "content": ""}}]},
+                  {"choices": [{"delta": {"content": "hi"}}]},
+                  {"choices": [], "usage": {"completion_tokens": body["max_tokens"]}}]
+        text = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+        return httpx.Response(200, headers={"X-Brownout-Level": "1", "X-Brownout-Bypassed": "ab_test",
+                                            "Content-Type": "text/event-stream"}, content=text.encode())
+    return handle
+
+
+def test_run_load_records_every_request_against_a_fake_server() -> None:
+    seen: list[httpx.Request] = []
+    result = asyncio.run(run_load("http://127.0.0.1:9", "m", constant(40.0, 0.5), seed=11, mix=DEFAULT_MIX,
+                                  max_tokens=4, poll_levels_s=0.1, transport=httpx.MockTransport(sse_handler(seen))))
+    chats = [r for r in seen if r.url.path == "/v1/chat/completions"]
+    assert len(result.records) == len(chats) == len(schedule(constant(40.0, 0.5), random.Random(11)))
+    assert result.levels and result.levels[0]["level"] == 1 and result.levels[0]["queue_length"] == 3
+    for r, req in zip(result.records, chats, strict=True):
+        body = json.loads(req.content)
+        assert body["ignore_eos"] is True and body["stream"] is True and body["max_tokens"] == 4
+        assert req.headers[CRITICALITY_HEADER] == r.criticality
+        assert r.sent_s is not None and r.done_s is not None and r.done_s >= r.sent_s
+        if body["messages"][0]["content"].startswith("x"):
+            assert (r.status, r.headers["retry-after"], r.ok) == (503, "1", False)
+        else:
+            assert r.ok and r.completion_tokens == 4 and r.first_token_s is not None
+            assert r.headers == {"x-brownout-level": "1", "x-brownout-bypassed": "ab_test"} and r.level == 1
+
+
+def test_run_load_stops_early_when_asked_and_refuses_other_hosts() -> None:
+    result = asyncio.run(run_load("http://127.0.0.1:9", "m", constant(50.0, 30.0), seed=2, poll_levels_s=None,
+                                  stop=lambda records, now, n: len(records) >= 5,
+                                  transport=httpx.MockTransport(sse_handler([]))))
+    assert result.stopped_early and 5 <= len(result.records) < 50
+    with pytest.raises(ValueError, match=re.escape("loopback only")):
+        asyncio.run(run_load("http://example.com", "m", constant(1.0, 1.0)))
