@@ -259,12 +259,17 @@ class LLMEngine:
             [dict(m) for m in messages], tokenize=False, add_generation_prompt=True
         )
 
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` as the model sees it, without added special tokens."""
+        return list(self._require_tokenizer().encode(text, add_special_tokens=False))
+
     def count_tokens(self, text: str) -> int:
         """Tokens in ``text`` as the model sees it, without added special tokens."""
-        return len(self._require_tokenizer().encode(text, add_special_tokens=False))
+        return len(self.encode(text))
 
     async def generate(
-        self, prompt: str, sampling: Mapping[str, Any], request_id: str
+        self, prompt: str, sampling: Mapping[str, Any], request_id: str,
+        prompt_ids: Sequence[int] | None = None,
     ) -> AsyncIterator[Delta]:
         """Stream the completion of ``prompt`` as ``Delta`` increments.
 
@@ -272,7 +277,8 @@ class LLMEngine:
         template from ``render_chat`` carries its own). ``sampling`` holds keyword arguments of
         ``vllm.SamplingParams`` (``max_tokens``, ``temperature``, ``ignore_eos``, ...; ``n``
         must stay 1).
-        ``request_id`` must be unique among in-flight requests.
+        ``request_id`` must be unique among in-flight requests. ``prompt_ids``: the prompt's
+        token ids when the caller has already encoded it (`encode`), so it is tokenised once.
 
         If the consumer stops early (closes the generator, or its task is cancelled) the request
         is aborted in vLLM, so it frees its batch slot and KV cache at once, and it counts in
@@ -293,8 +299,9 @@ class LLMEngine:
             raise ValueError(f"invalid sampling arguments {dict(sampling)!r}: {err}") from err
         if params.n != 1:
             raise ValueError(f"sampling n={params.n} is not supported: one completion per request")
-        prompt_ids = self._require_tokenizer().encode(prompt, add_special_tokens=False)
-        engine_input = tokens_input(prompt_ids, prompt=prompt)
+        if prompt_ids is None:
+            prompt_ids = self.encode(prompt)
+        engine_input = tokens_input(list(prompt_ids), prompt=prompt)
 
         started_s = self._clock()
         first_token_s: float | None = None

@@ -7,9 +7,11 @@ and streams or returns completions. A request whose caller goes away (client dis
 cancellation) is aborted in vLLM at once: its batch slot and KV cache are freed, and nothing is
 computed for nobody.
 
-Every stream yields plain dicts, first a ``start`` record (prompt token count) or an ``error``,
-then ``delta`` records; errors are values, not exceptions, so the ingress can map them to HTTP
-statuses without unwrapping Ray's exception types.
+Every stream yields typed events (frozen dataclasses, pickled across the handle): first
+`Started` (the prompt's token count) or a `ModelError`, then `Delta` increments; ``generate``
+returns one `Completion` or a `ModelError`. Errors are values, not exceptions, so the ingress
+can map them to HTTP statuses without unwrapping Ray's exception types. The prompt is tokenised
+once, here: the ids that were counted against the limit are the ids vLLM receives.
 """
 
 from __future__ import annotations
@@ -18,18 +20,45 @@ import logging
 import os
 import uuid
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
-from deployments.engine import SAMPLING_KEYS, EngineSettings, LLMEngine
+from deployments.engine import SAMPLING_KEYS, Delta, EngineSettings, LLMEngine
 from deployments.gpu import GpuProbe
 from deployments.reporting import ActorLink, replica_source, signal_reporter
 
 logger = logging.getLogger("ray.serve")
 
 
-def error_record(status: int, message: str, param: str | None, kind: str = "invalid_request_error") -> dict[str, Any]:
-    return {"type": "error", "status": status, "message": message, "param": param, "kind": kind}
+@dataclass(frozen=True)
+class ModelError:
+    """A request the model refused: the HTTP status, a message and the field at fault."""
+
+    status: int
+    message: str
+    param: str | None
+    kind: str = "invalid_request_error"
+
+
+@dataclass(frozen=True)
+class Started:
+    """The first event of an accepted stream: vLLM took the request."""
+
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A whole completion."""
+
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str | None
+
+
+# What generate_stream yields: Started or ModelError first, then Delta increments.
+StreamEvent = Started | Delta | ModelError
 
 
 class VLLMModel:
@@ -65,76 +94,72 @@ class VLLMModel:
 
     # -- requests ------------------------------------------------------------------------------
 
-    def _prompt(self, request: Mapping[str, Any]) -> tuple[str | None, dict[str, Any] | None]:
-        """The prompt text, or an error record naming the field."""
+    def _prompt(self, request: Mapping[str, Any]) -> tuple[str, list[int]] | ModelError:
+        """The prompt text and its token ids (encoded once), or an error naming the field."""
         if "messages" in request:
             try:
                 prompt = self.engine.render_chat(request["messages"])
             except Exception as err:  # noqa: BLE001 - a template error is the caller's input
-                return None, error_record(400, f"messages could not be rendered: {err}", "messages")
+                return ModelError(400, f"messages could not be rendered: {err}", "messages")
             field = "messages"
         else:
             prompt, field = request["prompt"], "prompt"
-        n = self.engine.count_tokens(prompt)
+        ids = self.engine.encode(prompt)
+        n = len(ids)
         if n > self.max_prompt_tokens:
-            return None, error_record(
+            return ModelError(
                 400,
                 f"{field} is {n} tokens; the limit is {self.max_prompt_tokens} (max_prompt_tokens)",
                 field,
             )
         room = self.settings.max_model_len - n
         if request.get("max_tokens", 0) > room:
-            return None, error_record(
+            return ModelError(
                 400,
                 f"max_tokens={request['max_tokens']} plus the {n}-token prompt exceeds the model's "
                 f"context of {self.settings.max_model_len} tokens",
                 "max_tokens",
             )
-        return prompt, None
+        return prompt, ids
 
-    async def generate_stream(self, request: Mapping[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """Stream one completion: ``start`` (or ``error``), then ``delta`` records.
+    async def generate_stream(self, request: Mapping[str, Any]) -> AsyncIterator[StreamEvent]:
+        """Stream one completion: `Started` (or a `ModelError`), then `Delta` increments.
 
         Cancelling the consumer (Serve propagates a client disconnect) aborts the vLLM request.
         """
-        prompt, error = self._prompt(request)
-        if error is not None:
-            yield error
+        prompt = self._prompt(request)
+        if isinstance(prompt, ModelError):
+            yield prompt
             return
+        text, ids = prompt
         sampling = {k: request[k] for k in SAMPLING_KEYS if request.get(k) is not None}
         request_id = request.get("request_id") or uuid.uuid4().hex
-        stream = self.engine.generate(prompt, sampling, request_id)
+        stream = self.engine.generate(text, sampling, request_id, prompt_ids=ids)
         try:
             first = await anext(stream)  # vLLM validates sampling before queueing anything
         except ValueError as err:
-            yield error_record(400, str(err), None)
+            yield ModelError(400, str(err), None)
             return
         except StopAsyncIteration:
             return
-        yield {"type": "start"}
-        yield {"type": "delta", **asdict(first)}
+        yield Started(prompt_tokens=len(ids))
+        yield first
         async for delta in stream:
-            yield {"type": "delta", **asdict(delta)}
+            yield delta
 
-    async def generate(self, request: Mapping[str, Any]) -> dict[str, Any]:
-        """The whole completion as one record: ``text``, token counts, ``finish_reason``."""
+    async def generate(self, request: Mapping[str, Any]) -> Completion | ModelError:
+        """The whole completion as one `Completion` (or the `ModelError`)."""
         parts: list[str] = []
-        last: dict[str, Any] | None = None
-        async for record in self.generate_stream(request):
-            if record["type"] == "error":
-                return record
-            if record["type"] == "start":
-                continue
-            parts.append(record["text"])
-            last = record
+        last: Delta | None = None
+        async for event in self.generate_stream(request):
+            if isinstance(event, ModelError):
+                return event
+            if isinstance(event, Delta):
+                parts.append(event.text)
+                last = event
         assert last is not None, "vLLM finished without output"
-        return {
-            "type": "result",
-            "text": "".join(parts),
-            "prompt_tokens": last["prompt_tokens"],
-            "completion_tokens": last["completion_tokens"],
-            "finish_reason": last["finish_reason"],
-        }
+        return Completion(text="".join(parts), prompt_tokens=last.prompt_tokens,
+                          completion_tokens=last.completion_tokens, finish_reason=last.finish_reason)
 
     # -- observability -------------------------------------------------------------------------
 
@@ -166,10 +191,6 @@ class VLLMModel:
             "gpu": {"available": gpu.available, "reason": gpu.reason,
                     "util_ratio": gpu.util_ratio, "mem_ratio": gpu.mem_ratio},
         }
-
-    def model_info(self) -> dict[str, Any]:
-        return {"id": self.served_model_name, "max_model_len": self.settings.max_model_len,
-                "source": self.settings.model}
 
     async def check_health(self) -> None:
         if not self.engine.started:

@@ -32,7 +32,7 @@ import ray
 
 from policies.config import default_policy, parse_policy
 from policies.controller import Transition
-from policies.features import REGISTRY
+from policies.features import REGISTRY, PolicyView
 from policies.service import PolicyCore
 
 ACTOR_NAME = "brownout-policy"
@@ -82,10 +82,9 @@ class PolicyActor:
             try:
                 self.core.tick()
                 view = self.core.view()
-                self._level_gauge.set(view["level"])
-                enabled = set(view["enabled"])
+                self._level_gauge.set(int(view.level))
                 for feature in REGISTRY:
-                    self._feature_gauge.set(1 if feature in enabled else 0, tags={"feature": feature})
+                    self._feature_gauge.set(1 if feature in view.enabled else 0, tags={"feature": feature})
             except Exception:  # noqa: BLE001 - the loop must outlive any one bad tick
                 logger.exception("policy tick failed")
             await asyncio.sleep(self.tick_s)
@@ -94,15 +93,11 @@ class PolicyActor:
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._loop())
 
-    async def ready(self) -> bool:
-        self._ensure_loop()
-        return True
-
     async def report(self, source: str, signals: dict[str, float]) -> bool:
         self._ensure_loop()
         return self.core.report(source, signals)
 
-    async def view(self) -> dict[str, Any]:
+    async def view(self) -> PolicyView:
         self._ensure_loop()
         return self.core.view()
 

@@ -315,11 +315,18 @@ class DegradationConfig(_Strict):
                 raise ValueError(
                     f"features: unknown feature {name!r}; valid: {', '.join(sorted(feat.REGISTRY))}"
                 )
-            if cfg.mode is OffMode.DEFER and feat.REGISTRY[name].stage is not feat.Stage.SIDE_EFFECT:
-                side = ", ".join(n for n, s in feat.REGISTRY.items() if s.stage is feat.Stage.SIDE_EFFECT)
+            spec = feat.REGISTRY[name]
+            if cfg.mode not in spec.off_modes:
+                supported = ", ".join(repr(m.value) for m in feat.OffMode if m in spec.off_modes)
+                if cfg.mode is OffMode.DEFER and spec.stage is not feat.Stage.SIDE_EFFECT:
+                    deferrable = ", ".join(n for n, s in feat.REGISTRY.items() if OffMode.DEFER in s.off_modes)
+                    raise ValueError(
+                        f"features.{name}.mode: 'defer' is only for side effects ({deferrable}); "
+                        f"{name!r} runs on the request path and supports {supported}"
+                    )
                 raise ValueError(
-                    f"features.{name}.mode: 'defer' is only for side effects ({side}); "
-                    f"{name!r} runs on the request path"
+                    f"features.{name}.mode: feature {name!r} does not support off-mode "
+                    f"{cfg.mode.value!r}; it supports {supported}"
                 )
             if cfg.critical is not None and cfg.critical != feat.is_critical(name):
                 raise ValueError(

@@ -4,6 +4,13 @@ A *feature* is a named piece of request-path work. Critical features (auth, rate
 model's forward pass, basic pre/post-processing) are registered so that config can name them and
 be rejected for trying to disable them; optional features are what the levels switch off.
 
+Each optional feature is registered here by ONE line, a `FeatureSpec`: the facts the pure policy
+core needs to validate a config in any process (the policy actor and the trace simulator load
+no feature code): its name, stage, which off-modes it supports, and ``impl``, the
+``module:attribute`` of its implementation (a `deployments.enrichments.feature.Feature`, which
+owns where it runs, its settings, its payload and how its result is applied). Nothing here
+imports that module: the application resolves ``impl`` when it builds the pipeline.
+
 `enabled(feature, level, plan, overrides)` is the single rule every reader uses:
 
 1. a feature override (forced on or off by an operator) wins;
@@ -17,7 +24,8 @@ higher level: monotonicity holds by construction, not by convention.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 
@@ -30,15 +38,12 @@ class Level(enum.IntEnum):
     MINIMAL = 3  # minimal path: only the model and the most basic response
 
 
-MAX_LEVEL = Level.MINIMAL
-
-
 class OffMode(str, enum.Enum):
     """What a disabled feature does instead of its work."""
 
     SKIP = "skip"  # do nothing; the stage's output is absent
-    DEFAULT = "default"  # return a configured value instead (e.g. an empty list)
-    DEFER = "defer"  # spool the work durably; run it, in order, once the level allows
+    DEFAULT = "default"  # a configured result stands in for the stage's (pre stages)
+    DEFER = "defer"  # spool the work durably; run it, in order, once the level allows (side effects)
 
 
 class Stage(str, enum.Enum):
@@ -50,35 +55,70 @@ class Stage(str, enum.Enum):
     SIDE_EFFECT = "side_effect"  # after the response; never on the client's critical path
 
 
+SKIP_ONLY = frozenset({OffMode.SKIP})
+
+
 @dataclass(frozen=True)
 class FeatureSpec:
+    """One registered feature: what the policy core knows of it.
+
+    ``off_modes``: the off-modes it supports (a config asking for another is rejected at load).
+    ``impl``: ``"package.module:ATTRIBUTE"`` of its implementation; None for critical features.
+    """
+
     name: str
     stage: Stage
     critical: bool
     description: str
+    off_modes: frozenset[OffMode] = SKIP_ONLY
+    impl: str | None = None
+
+    def __post_init__(self) -> None:
+        if OffMode.SKIP not in self.off_modes:
+            raise ValueError(f"feature {self.name!r}: every feature must support 'skip'")
+        if OffMode.DEFER in self.off_modes and self.stage is not Stage.SIDE_EFFECT:
+            raise ValueError(f"feature {self.name!r}: only side effects can be deferred")
+        if OffMode.DEFAULT in self.off_modes and self.stage is not Stage.PRE:
+            raise ValueError(f"feature {self.name!r}: only pre stages have a result a default can stand in for")
+        if self.critical == (self.impl is not None):
+            raise ValueError(f"feature {self.name!r}: an optional feature needs an impl, a critical one has none")
 
 
+def _core(name: str, description: str) -> FeatureSpec:
+    return FeatureSpec(name, Stage.CORE, True, description)
+
+
+def _optional(name: str, stage: Stage, description: str, impl: str,
+              off_modes: frozenset[OffMode] = SKIP_ONLY) -> FeatureSpec:
+    return FeatureSpec(name, stage, False, description, frozenset(off_modes), impl)
+
+
+_E = "deployments.enrichments."
 _SPECS: tuple[FeatureSpec, ...] = (
     # Core: registered so that config naming them is recognised, and rejected if disabled.
-    FeatureSpec("auth", Stage.CORE, True, "API-key authentication"),
-    FeatureSpec("rate_limit", Stage.CORE, True, "per-key request rate limiting"),
-    FeatureSpec("preprocess", Stage.CORE, True, "input validation and chat-template rendering"),
-    FeatureSpec("model", Stage.CORE, True, "the model's forward pass (vLLM)"),
-    FeatureSpec("postprocess", Stage.CORE, True, "basic response shaping (OpenAI JSON)"),
-    # Optional, in the order the ingress runs them.
-    FeatureSpec("prompt_rewrite", Stage.PRE, False, "optional prompt enhancement"),
-    FeatureSpec("personalization", Stage.PRE, False, "profile-driven system prompt and sampling"),
-    FeatureSpec("ab_test", Stage.PRE, False, "A/B experiment routing by user hash"),
-    FeatureSpec("semantic_cache_lookup", Stage.PRE, False, "answer from the semantic cache"),
-    FeatureSpec("response_polish", Stage.POST, False, "optional response post-processing"),
-    FeatureSpec("semantic_cache_write", Stage.SIDE_EFFECT, False, "store answers in the cache"),
-    FeatureSpec("audit_log", Stage.SIDE_EFFECT, False, "fsync'd request/response audit log"),
-    FeatureSpec("feature_stats", Stage.SIDE_EFFECT, False, "per-user/per-variant statistics"),
-    FeatureSpec("debug_capture", Stage.SIDE_EFFECT, False, "rendered prompt + params to disk"),
-    FeatureSpec("light_metrics", Stage.SIDE_EFFECT, False, "non-essential per-user counters"),
+    _core("auth", "API-key authentication"),
+    _core("rate_limit", "per-key request rate limiting"),
+    _core("preprocess", "input validation and chat-template rendering"),
+    _core("model", "the model's forward pass (vLLM)"),
+    _core("postprocess", "basic response shaping (OpenAI JSON)"),
+    # Optional, in the order the ingress runs them: one line per feature.
+    _optional("prompt_rewrite", Stage.PRE, "optional prompt enhancement", _E + "enhance:PROMPT_REWRITE"),
+    _optional("personalization", Stage.PRE, "profile-driven system prompt and sampling",
+              _E + "personalization:PERSONALIZATION", frozenset({OffMode.SKIP, OffMode.DEFAULT})),
+    _optional("ab_test", Stage.PRE, "A/B experiment routing by user hash", _E + "ab_test:AB_TEST"),
+    _optional("semantic_cache_lookup", Stage.PRE, "answer from the semantic cache", _E + "semantic_cache:LOOKUP"),
+    _optional("response_polish", Stage.POST, "optional response post-processing", _E + "enhance:RESPONSE_POLISH"),
+    _optional("semantic_cache_write", Stage.SIDE_EFFECT, "store answers in the cache", _E + "semantic_cache:WRITE"),
+    _optional("audit_log", Stage.SIDE_EFFECT, "fsync'd request/response audit log", _E + "audit_log:AUDIT_LOG",
+              frozenset({OffMode.SKIP, OffMode.DEFER})),
+    _optional("feature_stats", Stage.SIDE_EFFECT, "per-user/per-variant statistics", _E + "telemetry:FEATURE_STATS",
+              frozenset({OffMode.SKIP, OffMode.DEFER})),
+    _optional("debug_capture", Stage.SIDE_EFFECT, "rendered prompt + params to disk", _E + "telemetry:DEBUG_CAPTURE"),
+    _optional("light_metrics", Stage.SIDE_EFFECT, "non-essential per-user counters", _E + "telemetry:LIGHT_METRICS"),
 )
 
-REGISTRY: Mapping[str, FeatureSpec] = {spec.name: spec for spec in _SPECS}
+# The live registry, in run order. Only `register` (tests, plugins) adds to it.
+REGISTRY: dict[str, FeatureSpec] = {spec.name: spec for spec in _SPECS}
 
 # Group names accepted wherever config lists features to disable. "semantic_cache" is the whole
 # cache (the reference design's level-1 "semantic_cache"); "debug_log" is the reference design's
@@ -87,8 +127,25 @@ ALL_NON_CRITICAL = "all_non_critical"
 ALIASES: Mapping[str, tuple[str, ...]] = {
     "semantic_cache": ("semantic_cache_lookup", "semantic_cache_write"),
     "debug_log": ("debug_capture",),
-    ALL_NON_CRITICAL: tuple(s.name for s in _SPECS if not s.critical),
+    ALL_NON_CRITICAL: tuple(s.name for s in _SPECS if not s.critical),  # the built-in ones; see expand
 }
+
+
+def optional_names() -> tuple[str, ...]:
+    """Every optional feature, in registry (run) order."""
+    return tuple(n for n, s in REGISTRY.items() if not s.critical)
+
+
+@contextmanager
+def registered(spec: FeatureSpec) -> Iterator[FeatureSpec]:
+    """Register ``spec`` for the duration of the block (a plugin or a test's toy feature)."""
+    if spec.name in REGISTRY or spec.name in ALIASES or spec.name == ALL_NON_CRITICAL:
+        raise ValueError(f"feature {spec.name!r} is already registered")
+    REGISTRY[spec.name] = spec
+    try:
+        yield spec
+    finally:
+        REGISTRY.pop(spec.name, None)
 
 
 def known_names() -> list[str]:
@@ -98,6 +155,8 @@ def known_names() -> list[str]:
 
 def expand(name: str) -> tuple[str, ...]:
     """Resolve a feature or alias name to registered feature names; KeyError if unknown."""
+    if name == ALL_NON_CRITICAL:  # every optional feature registered now, plugins included
+        return optional_names()
     if name in ALIASES:
         return ALIASES[name]
     if name in REGISTRY:
@@ -150,3 +209,40 @@ def enabled_set(
 ) -> frozenset[str]:
     """Every registered feature that runs at ``level``."""
     return frozenset(f for f in REGISTRY if enabled(f, level, off_levels, overrides))
+
+
+@dataclass(frozen=True)
+class PolicyView:
+    """What a request path needs of the policy, small and typed: it crosses from the policy
+    actor to every ingress replica (pickled by Ray) every refresh.
+
+    ``enabled``: every feature that runs now. ``modes``: the off-mode of each feature whose mode
+    is not ``skip``. ``defaults``: the configured result of each ``default``-mode feature.
+    ``at``: the actor's clock when the view was taken.
+    """
+
+    level: Level = Level.NORMAL
+    enabled: frozenset[str] = frozenset()
+    modes: Mapping[str, OffMode] = None  # type: ignore[assignment]
+    defaults: Mapping[str, Mapping[str, object]] = None  # type: ignore[assignment]
+    config_version: int = 0
+    at: float = 0.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "level", Level(self.level))
+        object.__setattr__(self, "enabled", frozenset(self.enabled))
+        object.__setattr__(self, "modes", {f: OffMode(m) for f, m in (self.modes or {}).items()})
+        object.__setattr__(self, "defaults", dict(self.defaults or {}))
+
+    @classmethod
+    def all_on(cls) -> PolicyView:
+        """Every registered feature on at level 0: an ingress's view before its first refresh."""
+        return cls(enabled=frozenset(REGISTRY))
+
+    def mode(self, feature: str) -> OffMode:
+        return self.modes.get(feature, OffMode.SKIP)
+
+    def to_dict(self) -> dict[str, object]:
+        return {"level": int(self.level), "enabled": sorted(self.enabled),
+                "modes": {f: m.value for f, m in sorted(self.modes.items())},
+                "defaults": dict(self.defaults), "config_version": self.config_version, "at": self.at}

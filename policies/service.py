@@ -29,7 +29,7 @@ from policies.controller import (
     pin_level,
     unpin,
 )
-from policies.features import FeatureOverride, Level, OffMode
+from policies.features import FeatureOverride, Level, OffMode, PolicyView
 from policies.signals import Aggregator, Report, Signals
 
 logger = logging.getLogger("brownout.policy")
@@ -198,27 +198,25 @@ class PolicyCore:
 
     # -- readers -------------------------------------------------------------------------------
 
-    def view(self) -> dict[str, Any]:
-        """What request paths need, small: level, enabled features, off-modes, defaults."""
+    def view(self) -> PolicyView:
+        """What request paths need, small and typed: level, enabled features, off-modes, defaults."""
         now = self.clock()
-        enabled = enabled_features(self.config, self.state, now)
-        return {
-            "level": int(self.state.level),
-            "enabled": sorted(enabled),
-            "modes": {f: self.config.off_mode(f).value for f in self.config.features
-                      if self.config.off_mode(f) is not OffMode.SKIP},
-            "defaults": {f: self.config.off_default(f) for f in self.config.features
-                         if self.config.off_mode(f) is OffMode.DEFAULT},
-            "config_version": self.config_version,
-            "at": now,
-        }
+        features = self.config.features
+        return PolicyView(
+            level=self.state.level,
+            enabled=enabled_features(self.config, self.state, now),
+            modes={f: self.config.off_mode(f) for f in features if self.config.off_mode(f) is not OffMode.SKIP},
+            defaults={f: self.config.off_default(f) for f in features if self.config.off_mode(f) is OffMode.DEFAULT},
+            config_version=self.config_version,
+            at=now,
+        )
 
     def get_state(self) -> dict[str, Any]:
         now = self.clock()
         st = self.state
         pin = st.pin
         return {
-            **self.view(),
+            **self.view().to_dict(),
             "policy_level": int(st.policy_level),
             "pin": None if pin is None else {"level": int(pin.level), "expires_at": pin.expires_at, "note": pin.note},
             "feature_overrides": {k: {"enabled": o.enabled, "expires_at": o.expires_at}

@@ -42,36 +42,16 @@ class ModelArgs(BaseModel):
     seed: int = 0
 
 
-# Enrichment deployments and the enrichment kinds each hosts (light ones share one).
-ENRICHMENT_DEPLOYMENTS: dict[str, tuple[str, ...]] = {
-    "SemanticCache": ("semantic_cache",),
-    "AuditLog": ("audit_log",),
-    "Personalization": ("personalization",),
-    "Experiments": ("ab_test",),
-    "Telemetry": ("telemetry",),
-    "Enhance": ("enhance",),
-}
-
-
 class EnrichmentArgs(BaseModel):
-    """The optional-work graph. Paths default to folders under ``data_dir``."""
+    """The optional-work graph. State paths default to folders under ``data_dir``."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    enabled: bool = Field(default=True, description="deploy the enrichment deployments at all")
+    enabled: bool = Field(default=True, description="run the optional features (and their deployments) at all")
     data_dir: str = Field(default="~/.cache/brownout/state", description="audit log, spool, SQLite, debug")
     settings: dict[str, dict[str, Any]] = Field(
-        default_factory=dict, description="per enrichment kind, constructor settings (see registry)"
+        default_factory=dict, description="per worker kind, its typed settings (each Worker.settings)"
     )
-
-    def kind_settings(self, kind: str) -> dict[str, Any]:
-        root = Path(self.data_dir).expanduser()
-        defaults: dict[str, dict[str, Any]] = {
-            "audit_log": {"directory": str(root / "audit")},
-            "personalization": {"db_path": str(root / "profiles.sqlite")},
-            "telemetry": {"debug_dir": str(root / "debug")},
-        }
-        return {**defaults.get(kind, {}), **self.settings.get(kind, {})}
 
 
 def default_policy_document() -> dict[str, Any]:
@@ -148,28 +128,37 @@ def build_app(args: BrownoutArgs) -> Application:
         served_model_name=m.served_model_name,
         max_prompt_tokens=m.max_prompt_tokens,
     )
-    from deployments.enrichments.registry import ENRICHMENTS, FEATURE_TO_KIND
+    from deployments.enrichments.registry import features, hosts, workers
 
     policy = args.policy if args.policy is not None else default_policy_document()
     parse_policy(policy)  # fail the deploy now, naming key and value, if the policy is invalid
-    hosts: dict[str, Any] = {}
-    routes: dict[str, str] = {}
+    handles: dict[str, Any] = {}
+    local: dict[str, dict[str, Any]] = {}
     if args.enrichments.enabled:
-        unknown = sorted(set(args.enrichments.settings) - set(ENRICHMENTS))
+        feats = features()
+        known = workers(feats)
+        unknown = sorted(set(args.enrichments.settings) - set(known))
         if unknown:
-            raise ValueError(f"enrichments.settings: unknown kind(s) {unknown}; valid: {sorted(ENRICHMENTS)}")
-        for name, kinds in ENRICHMENT_DEPLOYMENTS.items():
-            hosts[name] = serve.deployment(
+            raise ValueError(f"enrichments.settings: unknown kind(s) {unknown}; valid: {sorted(known)}")
+        data_dir = Path(args.enrichments.data_dir)
+
+        def settings(kind: str) -> dict[str, Any]:
+            return known[kind].resolve(args.enrichments.settings.get(kind, {}), data_dir)
+
+        # Where each feature runs is its Worker's choice: its own deployment, or (host None) the
+        # ingress process. One EnrichmentHost deployment per host named.
+        for host, ws in hosts(feats).items():
+            if host is None:
+                local = {w.kind: settings(w.kind) for w in ws}
+                continue
+            handles[host] = serve.deployment(
                 EnrichmentHost,
-                name=name,
+                name=host,
                 # optional work: bounded like everything else; its own timeout bypasses it
                 max_ongoing_requests=64,
                 max_queued_requests=128,
                 ray_actor_options={"num_cpus": 0},
-            ).bind(kinds={k: args.enrichments.kind_settings(k) for k in kinds})
-            for feature, kind in FEATURE_TO_KIND.items():
-                if kind in kinds:
-                    routes[feature] = name
+            ).bind(kinds={w.kind: settings(w.kind) for w in ws})
     ingress = serve.deployment(
         Ingress,
         name="Ingress",
@@ -183,8 +172,8 @@ def build_app(args: BrownoutArgs) -> Application:
         model,
         served_model_name=m.served_model_name,
         limits=args.limits.model_dump(),
-        enrichments=hosts,
-        feature_routes=routes,
+        enrichments=handles,
+        local_workers=local,
         pipeline=args.pipeline.model_dump(),
         spool_dir=str(Path(args.enrichments.data_dir).expanduser() / "spool"),
         admin_token=args.admin_token,

@@ -9,9 +9,11 @@ JSON, 404 unknown model, 413 oversized body, 503 (with ``Retry-After``) when the
 unavailable or its bounded queue is full. Rejecting at once is the point: an unbounded queue
 turns overload into multi-second waits for everyone.
 
-Optional work runs through `serve_app.pipeline.Pipeline`, gated by a `LevelSnapshot` that a
+Optional work runs through `serve_app.pipeline.Pipeline`, gated by a `PolicyView` that a
 background task refreshes from the policy actor every ``refresh_s``; no request ever waits on
-the actor. Every response carries ``X-Brownout-Level`` and ``X-Brownout-Bypassed``.
+the actor. Features whose worker runs in the ingress process (`Worker.host` None) are built
+here; the others are reached through one handle per enrichment deployment. Every response
+carries ``X-Brownout-Level`` and ``X-Brownout-Bypassed``.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +36,16 @@ from starlette.background import BackgroundTask
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from deployments.engine import SAMPLING_KEYS
+from deployments.enrichments.base import Enrichment, Outcome, run_calls
+from deployments.enrichments.feature import RequestState
+from deployments.enrichments.registry import features as feature_impls
+from deployments.enrichments.registry import workers
 from deployments.enrichments.spool import DurableSpool
+from deployments.model import Completion, ModelError
 from deployments.reporting import ActorLink, PeriodicTask, replica_source, signal_reporter
 from deployments.window import SlidingWindow
 from policies.config import PolicyError, parse_policy
+from policies.features import PolicyView
 from serve_app.openai_api import (
     SSE_DONE,
     ChatCompletionRequest,
@@ -53,9 +61,11 @@ from serve_app.openai_api import (
     text_completion,
     usage,
 )
-from serve_app.pipeline import LevelSnapshot, Pipeline, RequestContext
+from serve_app.pipeline import BatchCall, Pipeline
 
 logger = logging.getLogger("ray.serve")
+
+MODEL = "VLLMModel"  # the model deployment, as counted in handle_calls
 
 SAMPLING_FIELDS = SAMPLING_KEYS  # request fields passed to vLLM: one list, in deployments/engine.py
 
@@ -82,7 +92,6 @@ class PipelineSettings(BaseModel):
     refresh_s: float = Field(default=0.25, gt=0, description="how often the level is refreshed")
     report_s: float = Field(default=0.25, gt=0, description="how often signals are reported")
     drain_s: float = Field(default=1.0, gt=0, description="how often deferred records are drained")
-    experiment: str = Field(default="prompt-style-v1", description="the A/B experiment's name")
 
 
 class OverrideBody(BaseModel):
@@ -103,18 +112,17 @@ def _unavailable(limits: IngressLimits, why: str) -> RequestError:
                         headers={"Retry-After": str(limits.retry_after_s)})
 
 
-async def _model_call(awaitable: Any, limits: IngressLimits) -> dict[str, Any]:
-    """Await one model record, mapping Serve's refusals to 503s and error records to theirs."""
+async def _model_call(awaitable: Any, limits: IngressLimits) -> Any:
+    """Await one model event, mapping Serve's refusals to 503s and a `ModelError` to its status."""
     try:
-        record = await awaitable
+        event = await awaitable
     except BackPressureError:
         raise _unavailable(limits, "the model's queue is full; retry later") from None
     except DeploymentUnavailableError:
         raise _unavailable(limits, "the model is not available; retry later") from None
-    if record["type"] == "error":
-        raise RequestError(record["status"], record["message"], record.get("param"),
-                           record.get("kind", "invalid_request_error"))
-    return record
+    if isinstance(event, ModelError):
+        raise RequestError(event.status, event.message, event.param, event.kind)
+    return event
 
 
 def _key_text(messages: list[dict[str, str]] | None, prompt: str | None) -> str:
@@ -124,9 +132,13 @@ def _key_text(messages: list[dict[str, str]] | None, prompt: str | None) -> str:
     return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
 
 
-def _stage_caller(handles: Mapping[str, Any], routes: Mapping[str, str]) -> Callable[[str, dict[str, Any]], Any]:
-    async def call(feature: str, payload: dict[str, Any]) -> dict[str, Any]:
-        return await handles[routes[feature]].call.remote(feature, payload)
+def _batch_caller(handles: Mapping[str, Any], local: Mapping[str, Enrichment]) -> BatchCall:
+    """Host None: the workers in this process, no RPC; else one handle call to that deployment."""
+
+    async def call(host: str | None, calls: list[tuple[str, dict[str, Any]]]) -> list[Outcome]:
+        if host is None:
+            return await run_calls(local, calls)
+        return await handles[host].call_many.remote(calls)
 
     return call
 
@@ -159,7 +171,7 @@ class Ingress:
         served_model_name: str,
         limits: dict[str, Any] | None = None,
         enrichments: Mapping[str, Any] | None = None,
-        feature_routes: Mapping[str, str] | None = None,
+        local_workers: Mapping[str, Mapping[str, Any]] | None = None,
         pipeline: dict[str, Any] | None = None,
         spool_dir: str | None = None,
         admin_token: str | None = None,
@@ -171,26 +183,30 @@ class Ingress:
         self.settings = PipelineSettings.model_validate(pipeline or {})
         self.created = int(time.time())
         self.admin_token = admin_token
-        routes = dict(feature_routes or {})
         handles = dict(enrichments or {})
-        missing = sorted({d for d in routes.values() if d not in handles})
-        if missing:
-            raise ValueError(f"feature_routes name deployments without a handle: {missing}")
+        local_settings = {k: dict(v) for k, v in (local_workers or {}).items()}
+        # The features this app runs: hosted ones whose deployment was bound, and the ingress's own.
+        features = [f for f in feature_impls()
+                    if (f.host in handles if f.host is not None else f.worker.kind in local_settings)]
+        kinds = workers(features)
+        self.local = {k: kinds[k].build(s) for k, s in local_settings.items() if k in kinds}
+        by_feature = {f.name: self.local[f.worker.kind] for f in features if f.host is None}
         source = replica_source("Ingress")
         spool_root = Path(spool_dir).expanduser() if spool_dir else None
         rank = _replica_rank()
         outcomes = ServeCounter("brownout_stage_outcomes", "Optional stages not run as asked, by outcome",
                                 tag_keys=("feature", "outcome"))
         self.pipeline = Pipeline(
-            _stage_caller(handles, routes),
+            features,
+            _batch_caller(handles, by_feature),
             (lambda feature: DurableSpool(spool_root, f"{feature}-ingress{rank}")) if spool_root else None,
             timeouts_s=self.settings.stage_timeouts_s,
             default_timeout_s=self.settings.stage_timeout_s,
-            experiment=self.settings.experiment,
-            available=frozenset(routes),
+            settings=local_settings,
             on_outcome=lambda feature, outcome: outcomes.inc(tags={"feature": feature, "outcome": outcome}),
         )
-        self.snapshot = LevelSnapshot()
+        self.view = PolicyView.all_on()
+        self.view_fetched_at = 0.0
         self.enrichment_handles = handles
         if policy_link is None:
             from policies.actor import get_or_create_policy_actor
@@ -212,7 +228,9 @@ class Ingress:
 
     async def _refresh(self) -> None:
         view = await self.policy.call("view")
-        self.snapshot = LevelSnapshot.from_view(view, time.time())
+        if not isinstance(view, PolicyView):
+            raise TypeError(f"the policy actor sent {type(view).__name__}, not a PolicyView")
+        self.view, self.view_fetched_at = view, time.time()
 
     def _signals(self) -> dict[str, float]:
         out: dict[str, float] = {"inflight": self.inflight}
@@ -224,10 +242,9 @@ class Ingress:
         return out
 
     async def _drain(self) -> None:
-        snap = self.snapshot
-        deferrable = {f for f, m in snap.modes.items() if m == "defer"} | set(self.pipeline.spools)
-        for feature in sorted(deferrable):
-            if feature in snap.enabled:
+        view = self.view
+        for feature in self.pipeline.deferrable(view.modes):
+            if feature in view.enabled:
                 await self.pipeline.drain(feature)
             else:
                 self.pipeline.spool(feature)  # open it, so records from a previous replica count
@@ -273,7 +290,7 @@ class Ingress:
         return requested
 
     def _context(self, body: Any, messages: list[dict[str, str]] | None, prompt: str | None,
-                 max_tokens: int) -> RequestContext:
+                 max_tokens: int) -> RequestState:
         text = prompt if prompt is not None else "".join(m["content"] for m in messages or [])
         if len(text) > self.limits.max_prompt_chars:
             field = "prompt" if prompt is not None else "messages"
@@ -281,13 +298,13 @@ class Ingress:
                                f"{self.limits.max_prompt_chars} (max_prompt_chars)", field)
         sampling = {k: getattr(body, k) for k in SAMPLING_FIELDS}
         sampling["max_tokens"] = max_tokens
-        return RequestContext(
+        return RequestState(
             request_id=_request_id(), user=body.user, messages=messages, prompt=prompt,
             sampling=sampling, explicit=frozenset(body.model_fields_set) & set(SAMPLING_FIELDS),
-            snapshot=self.snapshot, key_text=_key_text(messages, prompt),
+            view=self.view, key_text=_key_text(messages, prompt),
         )
 
-    def _model_request(self, ctx: RequestContext) -> dict[str, Any]:
+    def _model_request(self, ctx: RequestState) -> dict[str, Any]:
         req = dict(ctx.sampling, request_id=ctx.request_id)
         if ctx.messages is not None:
             req["messages"] = ctx.messages
@@ -295,19 +312,21 @@ class Ingress:
             req["prompt"] = ctx.prompt
         return req
 
-    async def _serve(self, ctx: RequestContext, stream: bool, include_usage: bool, chat: bool,
+    async def _serve(self, ctx: RequestState, stream: bool, include_usage: bool, chat: bool,
                      echo_prefix: str = "") -> Response:
         """The whole request after validation: pre stages, model (or cache), post, side effects."""
         await self.pipeline.pre(ctx)
         rid = new_id("chatcmpl" if chat else "cmpl")
-        if ctx.cache_answer is not None:
-            result = {"text": ctx.cache_answer, "finish_reason": "stop", "prompt_tokens": 0, "completion_tokens": 0}
+        if ctx.answer is not None:  # a pre stage answered: the model is not called
+            result = Completion(text=ctx.answer, prompt_tokens=0, completion_tokens=0, finish_reason="stop")
             gen = None
         elif stream:
+            self.pipeline.handle_calls[MODEL] += 1
             gen = self.model.options(stream=True).generate_stream.remote(self._model_request(ctx))
             await _model_call(gen.__anext__(), self.limits)
         else:
             gen = None
+            self.pipeline.handle_calls[MODEL] += 1
             result = await _model_call(self.model.generate.remote(self._model_request(ctx)), self.limits)
 
         if stream:
@@ -315,25 +334,26 @@ class Ingress:
             body = self._sse(ctx, gen, rid, chat, include_usage, echo_prefix)
             return StreamingResponse(body, media_type="text/event-stream", headers=ctx.headers())
 
-        text = await self.pipeline.post(ctx, result["text"])
+        ctx.text = result.text
+        await self.pipeline.post(ctx)
         self.pipeline.plan_side_effects(ctx)
-        record = self.pipeline.record(ctx, text, result["finish_reason"],
-                                      usage(result["prompt_tokens"], result["completion_tokens"]))
+        record = ctx.record(result.finish_reason, usage(result.prompt_tokens, result.completion_tokens))
         build = chat_completion if chat else text_completion
-        doc = build(rid, self.served_model_name, echo_prefix + text, result["finish_reason"],
-                    result["prompt_tokens"], result["completion_tokens"])
+        doc = build(rid, self.served_model_name, echo_prefix + ctx.text, result.finish_reason,
+                    result.prompt_tokens, result.completion_tokens)
         return JSONResponse(doc, headers=ctx.headers(),
                             background=BackgroundTask(self._after_response, ctx, record))
 
-    async def _after_response(self, ctx: RequestContext, record: dict[str, Any]) -> None:
+    async def _after_response(self, ctx: RequestState, record: dict[str, Any]) -> None:
         # async, so Starlette runs it on the event loop (a sync callable would go to a thread)
         self.pipeline.side_effects(ctx, record)
 
-    async def _sse(self, ctx: RequestContext, gen: Any, rid: str, chat: bool, include_usage: bool,
+    async def _sse(self, ctx: RequestState, gen: Any, rid: str, chat: bool, include_usage: bool,
                    echo_prefix: str) -> AsyncIterator[bytes]:
         created, model = int(time.time()), self.served_model_name
         parts: list[str] = []
-        last: dict[str, Any] = {"finish_reason": "stop", "prompt_tokens": 0, "completion_tokens": 0}
+        finish: str | None = "stop"
+        prompt_tokens = completion_tokens = 0
 
         def chunk(text: str, finish: str | None) -> bytes:
             if chat:
@@ -345,26 +365,26 @@ class Ingress:
         elif echo_prefix:
             yield chunk(echo_prefix, None)
         try:
-            if gen is None:  # a semantic-cache hit, sent as one chunk
-                parts.append(ctx.cache_answer or "")
-                yield chunk(ctx.cache_answer or "", "stop")
+            if gen is None:  # answered by a pre stage, sent as one chunk
+                parts.append(ctx.answer or "")
+                yield chunk(ctx.answer or "", "stop")
             else:
-                async for record in gen:
-                    last = record
-                    parts.append(record["text"])
-                    yield chunk(record["text"], record["finish_reason"])
+                async for delta in gen:
+                    finish, prompt_tokens, completion_tokens = (delta.finish_reason, delta.prompt_tokens,
+                                                                delta.completion_tokens)
+                    parts.append(delta.text)
+                    yield chunk(delta.text, delta.finish_reason)
         except Exception as err:  # noqa: BLE001 - headers are sent; report in-band
             logger.warning("stream %s failed: %r", rid, err)
             yield sse(RequestError(500, "generation failed", None, kind="server_error").body())
             return
         if include_usage:
             doc = (chat_chunk(rid, model, created, {}) if chat else text_chunk(rid, model, created, ""))
-            yield sse({**doc, "choices": [], "usage": usage(last["prompt_tokens"], last["completion_tokens"])})
+            yield sse({**doc, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
         yield SSE_DONE
         self.latency_ms.add((time.monotonic() - ctx.started) * 1000.0)
-        record = self.pipeline.record(ctx, "".join(parts), last["finish_reason"],
-                                      usage(last["prompt_tokens"], last["completion_tokens"]))
-        self.pipeline.side_effects(ctx, record)
+        ctx.text = "".join(parts)
+        self.pipeline.side_effects(ctx, ctx.record(finish, usage(prompt_tokens, completion_tokens)))
 
     async def _handle(self, request: Request, chat: bool) -> Response:
         started = time.monotonic()
@@ -388,7 +408,7 @@ class Ingress:
                 self.latency_ms.add((time.monotonic() - started) * 1000.0)
             return response
         except RequestError as err:
-            return err.response({"X-Brownout-Level": str(self.snapshot.level)})
+            return err.response({"X-Brownout-Level": str(int(self.view.level))})
         finally:
             self.inflight -= 1
 
@@ -413,7 +433,7 @@ class Ingress:
             stats = await self.model.stats.remote()
         except Exception as err:  # noqa: BLE001 - any failure means "not healthy"
             return _unavailable(self.limits, f"model unreachable: {type(err).__name__}").response()
-        return JSONResponse({"status": "ok", "model": self.served_model_name, "level": self.snapshot.level,
+        return JSONResponse({"status": "ok", "model": self.served_model_name, "level": int(self.view.level),
                              "engine": stats})
 
     # -- admin API -----------------------------------------------------------------------------
@@ -442,7 +462,8 @@ class Ingress:
             return response
         state = json.loads(response.body)
         state["ingress"] = {
-            "snapshot_level": self.snapshot.level, "snapshot_age_s": time.time() - self.snapshot.fetched_at,
+            "snapshot_level": int(self.view.level), "snapshot_age_s": time.time() - self.view_fetched_at,
+            "config_version": self.view.config_version,
             "pipeline": self.pipeline.counters(), "policy_link_failures": self.policy.failures,
             "last_policy_error": self.last_policy_error, "inflight": self.inflight, "pid": os.getpid(),
         }
@@ -471,7 +492,12 @@ class Ingress:
             self._admin_check(request)
         except RequestError as err:
             return err.response()
-        out = {}
+        # the ingress's own workers first: same shape as EnrichmentHost.stats()
+        out: dict[str, Any] = {"Ingress": {
+            "pid": os.getpid(),
+            "counters": {f: n for w in self.local.values() for f, n in w.counters().items()},
+            "enrichments": {kind: w.stats() for kind, w in self.local.items()},
+        }}
         for name, handle in self.enrichment_handles.items():
             try:
                 out[name] = await handle.stats.remote()
@@ -484,3 +510,5 @@ class Ingress:
             await task.stop()
         if hasattr(self, "pipeline"):
             await self.pipeline.wait_idle()
+        for worker in getattr(self, "local", {}).values():
+            await worker.close()

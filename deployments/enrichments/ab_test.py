@@ -16,7 +16,10 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from deployments.enrichments.base import Enrichment
+from deployments.enrichments.feature import Feature, RequestState, Worker
 
 CONTROL = "control"
 EXCLUDED = "excluded"
@@ -71,11 +74,14 @@ def bucket(experiment: str, user: str, total_weight: int) -> int:
     return int(hashlib.sha256(f"{experiment}:{user}".encode()).hexdigest(), 16) % total_weight
 
 
+DEFAULT_EXPERIMENT = "prompt-style-v1"
+
+
 class ABTest(Enrichment):
     features = ("ab_test",)
 
     def __init__(
-        self, experiment: str = "prompt-style-v1", variants: Sequence[Mapping[str, Any]] | None = None
+        self, experiment: str = DEFAULT_EXPERIMENT, variants: Sequence[Mapping[str, Any]] | None = None
     ) -> None:
         super().__init__()
         if not experiment:
@@ -108,3 +114,36 @@ class ABTest(Enrichment):
             "experiment": self.experiment,
             "assignments": {v["name"]: self._assigned.get(v["name"], 0) for v in self.variants},
         }
+
+
+class ABTestSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    experiment: str = Field(default=DEFAULT_EXPERIMENT, min_length=1, description="the experiment's name")
+    variants: list[dict[str, Any]] | None = Field(default=None, description="arms; None: DEFAULT_VARIANTS")
+
+
+def _tag(request: RequestState, experiment: str | None, variant: str) -> None:
+    request.tags["experiment"], request.tags["variant"] = experiment, variant
+    if experiment:
+        request.headers_out["X-Brownout-Experiment"] = f"{experiment}={variant}"
+
+
+def _apply(request: RequestState, result: Mapping[str, Any]) -> None:
+    variant = result.get("variant", CONTROL)
+    _tag(request, result.get("experiment"), variant)
+    request.add_system(result.get("system_suffix", ""), prepend=False)
+    request.fill_sampling(result.get("sampling"))
+    if variant != CONTROL:
+        request.personal = True  # a treatment arm's answer is not the text's own answer
+
+
+def _bypassed(request: RequestState, settings: Mapping[str, Any]) -> None:
+    # The control arm's behaviour, and out of the experiment's analysis.
+    _tag(request, settings.get("experiment", DEFAULT_EXPERIMENT), EXCLUDED)
+
+
+# A hash of the user id: pure and cheap, so it runs inside the ingress process (no RPC).
+WORKER = Worker("ab_test", ABTest, host=None, settings=ABTestSettings)
+AB_TEST = Feature("ab_test", WORKER, payload=lambda r: {"user": r.user, "request_id": r.request_id},
+                  apply=_apply, on_bypass=_bypassed)

@@ -20,7 +20,10 @@ import os
 from pathlib import Path
 from typing import IO, Any
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from deployments.enrichments.base import Enrichment
+from deployments.enrichments.feature import Feature, Worker
 from deployments.enrichments.spool import fsync_dir
 
 DEFAULT_FILENAME = "audit.log"
@@ -111,6 +114,20 @@ class AuditLog(Enrichment):
             if self._file is not None:
                 f, self._file = self._file, None
                 await asyncio.to_thread(f.close)
+
+
+class AuditLogSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    directory: Path = Field(description="where audit.log and its rotated files live")
+    max_bytes: int = Field(default=8 * 1024 * 1024, ge=1)
+    backups: int = Field(default=5, ge=0)
+    filename: str = Field(default=DEFAULT_FILENAME, min_length=1)
+
+
+# fsync'd files: its own deployment, one writer.
+WORKER = Worker("audit_log", AuditLog, host="AuditLog", settings=AuditLogSettings, state_paths={"directory": "audit"})
+AUDIT_LOG = Feature("audit_log", WORKER)
 
 
 def read_all(directory: Path, filename: str = DEFAULT_FILENAME) -> list[dict[str, Any]]:

@@ -1,42 +1,22 @@
 """The Enrichment contract: one optional feature's real work, behind a plain async interface.
 
-An `Enrichment` is a plain object (no Ray): `deployments/enrichments/host.py` puts one or more
-of them behind a thin Serve deployment, and the ingress pipeline calls
-``host.call.remote(feature, payload)``. Contract:
+An `Enrichment` is a plain object (no Ray). Where its features say so it runs inside the ingress
+process (pure, cheap work: no RPC); otherwise `deployments/enrichments/host.py` puts it behind a
+thin Serve deployment, and the ingress sends it every call of one request phase in one
+``host.call_many.remote([(feature, payload), ...])``. Contract:
 
 - ``features``: the registered feature names (``policies.features.REGISTRY``) it serves. One
   object may serve several (the semantic cache serves lookup and write).
 - ``await call(feature, payload) -> dict``: do the work for ``feature``. ``payload`` and the
-  result are plain JSON-able dicts (they cross process boundaries). What each stage receives and
-  returns:
-
-  =====================  ========================================  ===============================
-  feature                payload                                   result
-  =====================  ========================================  ===============================
-  prompt_rewrite         {messages | prompt, user, request_id}     {messages | prompt} (rewritten)
-  personalization        {messages | prompt, user, request_id}     {system_prefix?, sampling?}
-  ab_test                {user, request_id}                        {experiment, variant,
-                                                                    system_suffix?, sampling?}
-  semantic_cache_lookup  {key_text, request_id}                    {hit, answer?, similarity?}
-  response_polish        {text, request_id}                        {text}
-  semantic_cache_write   record (below)                            {ok}
-  audit_log              {records: [record, ...]}                  {ok, written}
-  feature_stats          record                                    {ok}
-  debug_capture          record                                    {ok}
-  light_metrics          record                                    {ok}
-  =====================  ========================================  ===============================
-
-  A *record* describes one finished request: ``request_id``, ``at`` (unix s), ``user``,
-  ``key_text`` (the cache key: the client's own messages/prompt, before enrichment), ``prompt``
-  (what the model saw), ``sampling``, ``response`` (``text``, ``finish_reason``), ``usage``,
-  ``latency_ms``, ``level``, ``variant`` (or ``"excluded"``), ``cache_hit``, ``bypassed``.
-
+  result are plain JSON-able dicts (they may cross process boundaries). Each feature's
+  `deployments.enrichments.feature.Feature` builds its payload and applies its result; side
+  effects always receive ``{"records": [record, ...]}`` (see
+  `deployments.enrichments.feature.RequestState.record`) and return ``{"ok": True, ...}``.
 - It raises on failure; the pipeline times each call out, counts failures and goes on without
   the stage. It must never block the event loop for long: CPU-heavy work (embeddings) and
   blocking I/O (fsync, SQLite) run in a worker thread (``asyncio.to_thread``).
 - ``counters() -> dict[str, int]``: calls per feature since start (the acceptance tests use
-  these to prove a bypassed feature received no call). `Enrichment.call` wrappers count via
-  `_count`.
+  these to prove a bypassed feature received no call); `Enrichment.call` counts them.
 - ``stats() -> dict``: anything else worth showing an operator (sizes, hit rates).
 - ``warmup()``: load what the first call would otherwise load (a model): the host awaits it
   before the replica reports ready, so no request pays for it.
@@ -46,7 +26,10 @@ of them behind a thin Serve deployment, and the ingress pipeline calls
 from __future__ import annotations
 
 import abc
+import asyncio
 from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 
@@ -77,3 +60,26 @@ class Enrichment(abc.ABC):
 
     async def close(self) -> None:
         return None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One stage call's outcome, as it crosses back from a host: a result or an error text."""
+
+    result: dict[str, Any] | None = None
+    error: str | None = None
+
+
+async def run_calls(by_feature: Mapping[str, Enrichment], calls: Sequence[tuple[str, dict[str, Any]]]) -> list[Outcome]:
+    """Run a batch of ``(feature, payload)`` calls concurrently; one failure fails only its call."""
+
+    async def one(feature: str, payload: dict[str, Any]) -> Outcome:
+        enrichment = by_feature.get(feature)
+        if enrichment is None:
+            return Outcome(error=f"no enrichment here serves {feature!r}; served: {sorted(by_feature)}")
+        try:
+            return Outcome(result=await enrichment.call(feature, payload))
+        except Exception as err:  # noqa: BLE001 - reported to the caller, who bypasses the stage
+            return Outcome(error=repr(err))
+
+    return list(await asyncio.gather(*(one(f, p) for f, p in calls)))

@@ -1,20 +1,21 @@
 """EnrichmentHost: a thin Serve deployment holding one or more plain `Enrichment` objects.
 
-``app.py`` binds one host per enrichment deployment (``SemanticCache``, ``AuditLog``, ...),
-each built from ``{kind: settings}`` by `deployments.enrichments.registry.build`. The ingress
-calls ``call(feature, payload)``; ``counters()`` gives calls per feature, which is how the
-tests prove that a bypassed deployment received no call. Each host reports its own call
-latency to the policy actor like every other replica.
+``app.py`` binds one host per deployment the features name (`Worker.host`), each built from
+``{kind: settings}`` by `deployments.enrichments.registry.build`. The ingress sends every call
+of one request phase in one ``call_many([(feature, payload), ...])`` (one RPC, not one per
+feature); ``counters()`` gives calls per feature, which is how the tests prove that a bypassed
+deployment received no call. Each host reports its own call latency to the policy actor like
+every other replica.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from deployments.enrichments.base import Enrichment
+from deployments.enrichments.base import Enrichment, Outcome, run_calls
 from deployments.enrichments.registry import build
 from deployments.reporting import ActorLink, replica_source, signal_reporter
 from deployments.window import SlidingWindow
@@ -48,18 +49,15 @@ class EnrichmentHost:
         p95 = self.latency_ms.percentile(95)
         return {} if p95 is None else {"p95_latency_ms": p95}
 
-    async def call(self, feature: str, payload: dict[str, Any]) -> dict[str, Any]:
-        enrichment = self.by_feature.get(feature)
-        if enrichment is None:
-            raise ValueError(f"this host serves {sorted(self.by_feature)}, not {feature!r}")
+    async def call_many(self, calls: Sequence[tuple[str, dict[str, Any]]]) -> list[Outcome]:
+        """Run one request phase's calls, concurrently; each gets its own `Outcome`."""
         t0 = time.monotonic()
         try:
-            return await enrichment.call(feature, payload)
-        except Exception:
-            self.errors += 1
-            raise
+            outcomes = await run_calls(self.by_feature, calls)
         finally:
             self.latency_ms.add((time.monotonic() - t0) * 1000.0)
+        self.errors += sum(o.error is not None for o in outcomes)
+        return outcomes
 
     def counters(self) -> dict[str, int]:
         out: dict[str, int] = {}

@@ -15,10 +15,14 @@ import asyncio
 import random
 import sqlite3
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from deployments.enrichments.base import Enrichment
+from deployments.enrichments.feature import Feature, RequestState, Worker
 
 DEMO_SEED = 20240601
 TONES = ("formal", "friendly", "terse", "playful", "patient", "technical")
@@ -100,3 +104,24 @@ class Personalization(Enrichment):
                 self._db.close()
 
         await asyncio.to_thread(_close)
+
+
+class PersonalizationSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    db_path: Path = Field(description="the SQLite profile database")
+    seed_demo: bool = Field(default=True, description="fill an empty table with demo users")
+    demo_users: int = Field(default=1000, ge=0)
+
+
+def _apply(request: RequestState, result: Mapping[str, Any]) -> None:
+    if result.get("system_prefix") or result.get("sampling"):
+        request.personal = True  # a profile shaped the prompt: the answer is this user's own
+    request.add_system(result.get("system_prefix", ""), prepend=True)
+    request.fill_sampling(result.get("sampling"))
+
+
+# SQLite: state on disk and blocking I/O, so its own deployment.
+WORKER = Worker("personalization", Personalization, host="Personalization",
+                settings=PersonalizationSettings, state_paths={"db_path": "profiles.sqlite"})
+PERSONALIZATION = Feature("personalization", WORKER, apply=_apply)

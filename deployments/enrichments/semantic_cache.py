@@ -24,12 +24,14 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
 
 from deployments.enrichments.base import Enrichment
+from deployments.enrichments.feature import Feature, RequestState, Worker
 
 _PUNCT = re.compile(r"[^\w\s]+")
 
@@ -116,7 +118,10 @@ class SemanticCache(Enrichment):
     async def _call(self, feature: str, payload: dict[str, Any]) -> dict[str, Any]:
         if feature == "semantic_cache_lookup":
             return await self._lookup(payload)
-        return await self._write(payload)
+        stored = 0
+        for record in payload.get("records") or []:
+            stored += await self._write(record)
+        return {"ok": True, "stored": stored}
 
     async def _embed(self, text: str) -> np.ndarray:
         rows = await asyncio.to_thread(self.embedder.encode, [text])
@@ -147,12 +152,14 @@ class SemanticCache(Enrichment):
         self._last_used[best] = now
         return {"hit": True, "answer": self._answers[best], "similarity": round(similarity, 4)}
 
-    async def _write(self, record: dict[str, Any]) -> dict[str, Any]:
+    async def _write(self, record: dict[str, Any]) -> int:
+        """Store one record's answer; 1 if stored, 0 if not."""
         key = normalise_key(str(record.get("key_text") or ""))
         answer = (record.get("response") or {}).get("text")
-        # An answer served from the cache is not written back: that would renew its TTL forever.
-        if not key or not answer or record.get("cache_hit"):
-            return {"ok": True, "stored": False}
+        # An answer not made by the model (a cache hit) is not written back: that would renew
+        # its TTL forever.
+        if not key or not answer or record.get("answered"):
+            return 0
         vec = await self._embed(key)
         now = self.clock()
         if self._vectors is None:
@@ -167,7 +174,7 @@ class SemanticCache(Enrichment):
         self._answers[slot] = answer
         self._slot_of[key] = slot
         self._writes += 1
-        return {"ok": True, "stored": True}
+        return 1
 
     def _slot_for(self, key: str, now: float) -> int:
         """The same key's slot, else a never-used slot, else an expired one, else the LRU one."""
@@ -205,3 +212,33 @@ class SemanticCache(Enrichment):
             "evictions": self._evictions,
             "expired_replaced": self._expirations,
         }
+
+
+class SemanticCacheSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    similarity_threshold: float = Field(default=0.92, gt=0.0, le=1.0)
+    ttl_s: float = Field(default=600.0, gt=0.0)
+    max_entries: int = Field(default=2048, ge=1)
+
+
+def _apply_lookup(request: RequestState, result: Mapping[str, Any]) -> None:
+    if result.get("hit"):
+        request.answer = result.get("answer")
+        request.headers_out["X-Brownout-Cache"] = "hit"
+
+
+def _shareable(request: RequestState) -> bool:
+    """Whether an answer may go into the cache that every user reads from.
+
+    The cache key is the client's own text, so only answers that text alone shaped are stored:
+    not one the model did not make (a cache hit), not one a feature made personal.
+    """
+    return request.answer is None and not request.personal
+
+
+# An embedding model (about 600 MB, CPU-heavy): its own deployment.
+WORKER = Worker("semantic_cache", SemanticCache, host="SemanticCache", settings=SemanticCacheSettings)
+LOOKUP = Feature("semantic_cache_lookup", WORKER,
+                 payload=lambda r: {"key_text": r.key_text, "request_id": r.request_id}, apply=_apply_lookup)
+WRITE = Feature("semantic_cache_write", WORKER, wants=_shareable)

@@ -3,12 +3,14 @@
 - ``feature_stats``: per-user and per-variant aggregates of finished requests: count, prompt and
   completion token sums, response length in characters, and latency p50/p95 from a bounded
   reservoir sample (Algorithm R, ``reservoir_size`` per key, seeded so tests are repeatable).
-- ``light_metrics``: per-user request and token counters.
+- ``light_metrics`` (`LightMetrics`, a separate object because it runs inside the ingress
+  process: a few dict updates need no RPC): per-user request and token counters.
 - ``debug_capture``: the rendered prompt, sampling and request id of each request as one JSON
   file in ``debug_dir``, written in a worker thread; past ``max_debug_files`` the oldest go.
 
 Memory is bounded: at most ``max_keys`` users are tracked; later users are folded into the key
-``OTHER``. `stats` shows the ``top_n`` users by request count.
+``OTHER``. `stats` shows the ``top_n`` users by request count. Each feature takes
+``{"records": [record, ...]}``.
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from deployments.enrichments.base import Enrichment
+from deployments.enrichments.feature import Feature, Worker
 
 OTHER = "_other"
 _SAFE_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -62,8 +67,47 @@ def _nearest_rank(sorted_values: list[float], pct: float) -> float | None:
     return sorted_values[int(rank) - 1]
 
 
+def _user_key(table: dict[str, Any], user: Any, max_keys: int) -> str:
+    key = str(user) if user else "anonymous"
+    return key if key in table or len(table) < max_keys else OTHER
+
+
+def _top(table: dict[str, Any], count: Callable[[Any], int], n: int) -> list[str]:
+    return sorted(table, key=lambda k: (-count(table[k]), k))[:n]
+
+
+class LightMetrics(Enrichment):
+    """Per-user request and token counters (``light_metrics``)."""
+
+    features = ("light_metrics",)
+
+    def __init__(self, *, max_keys: int = 10_000, top_n: int = 20) -> None:
+        super().__init__()
+        if max_keys < 1 or top_n < 1:
+            raise ValueError(f"max_keys and top_n must be >= 1, got {max_keys!r}, {top_n!r}")
+        self.max_keys = max_keys
+        self.top_n = top_n
+        self._light: dict[str, dict[str, int]] = {}
+
+    async def _call(self, feature: str, payload: dict[str, Any]) -> dict[str, Any]:
+        for record in payload.get("records") or []:
+            usage = record.get("usage") or {}
+            tokens = usage.get("total_tokens")
+            if tokens is None:
+                tokens = (usage.get("prompt_tokens") or 0) + (usage.get("completion_tokens") or 0)
+            key = _user_key(self._light, record.get("user"), self.max_keys)
+            counters = self._light.setdefault(key, {"requests": 0, "tokens": 0})
+            counters["requests"] += 1
+            counters["tokens"] += int(tokens)
+        return {"ok": True}
+
+    def stats(self) -> dict[str, Any]:
+        top = _top(self._light, lambda c: c["requests"], self.top_n)
+        return {"light_metrics": {u: dict(self._light[u]) for u in top}}
+
+
 class Telemetry(Enrichment):
-    features = ("feature_stats", "debug_capture", "light_metrics")
+    features = ("feature_stats", "debug_capture")
 
     def __init__(
         self,
@@ -92,7 +136,6 @@ class Telemetry(Enrichment):
         self._rng = random.Random(seed)
         self._by_user: dict[str, _Aggregate] = {}
         self._by_variant: dict[str, _Aggregate] = {}
-        self._light: dict[str, dict[str, int]] = {}
         # Debug files are named "<ms>-<seq>-<id>.json", so name order is write order, also
         # across restarts; the deque holds them oldest first.
         self._files_lock = threading.Lock()
@@ -102,17 +145,15 @@ class Telemetry(Enrichment):
         self._deleted = 0
 
     async def _call(self, feature: str, payload: dict[str, Any]) -> dict[str, Any]:
-        if feature == "feature_stats":
-            self._feature_stats(payload)
-        elif feature == "light_metrics":
-            self._light_metrics(payload)
-        else:
-            await self._debug_capture(payload)
+        for record in payload.get("records") or []:
+            if feature == "feature_stats":
+                self._feature_stats(record)
+            else:
+                await self._debug_capture(record)
         return {"ok": True}
 
     def _key(self, table: dict[str, Any], user: Any) -> str:
-        key = str(user) if user else "anonymous"
-        return key if key in table or len(table) < self.max_keys else OTHER
+        return _user_key(table, user, self.max_keys)
 
     def _feature_stats(self, record: dict[str, Any]) -> None:
         usage = record.get("usage") or {}
@@ -138,15 +179,6 @@ class Telemetry(Enrichment):
             j = self._rng.randrange(agg.latency_seen)
             if j < self.reservoir_size:
                 agg.latency_ms[j] = value
-
-    def _light_metrics(self, record: dict[str, Any]) -> None:
-        usage = record.get("usage") or {}
-        tokens = usage.get("total_tokens")
-        if tokens is None:
-            tokens = (usage.get("prompt_tokens") or 0) + (usage.get("completion_tokens") or 0)
-        counters = self._light.setdefault(self._key(self._light, record.get("user")), {"requests": 0, "tokens": 0})
-        counters["requests"] += 1
-        counters["tokens"] += int(tokens)
 
     async def _debug_capture(self, record: dict[str, Any]) -> None:
         request_id = str(record.get("request_id") or "")
@@ -176,19 +208,42 @@ class Telemetry(Enrichment):
             old.unlink(missing_ok=True)
 
     def stats(self) -> dict[str, Any]:
-        def top(table: dict[str, Any], count: Callable[[Any], int]) -> list[str]:
-            return sorted(table, key=lambda k: (-count(table[k]), k))[: self.top_n]
-
-        users = top(self._by_user, lambda a: a.count)
-        light = top(self._light, lambda c: c["requests"])
+        users = _top(self._by_user, lambda a: a.count, self.top_n)
         with self._files_lock:
             debug_files = len(self._files)
         return {
             "tracked_users": len(self._by_user),
             "users": {u: self._by_user[u].summary() for u in users},
             "variants": {v: a.summary() for v, a in sorted(self._by_variant.items())},
-            "light_metrics": {u: dict(self._light[u]) for u in light},
             "debug_files": debug_files,
             "debug_captured": self._captured,
             "debug_deleted": self._deleted,
         }
+
+
+class TelemetrySettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    debug_dir: Path = Field(description="where debug_capture writes its files")
+    max_debug_files: int = Field(default=2000, ge=1)
+    reservoir_size: int = Field(default=256, ge=1)
+    max_keys: int = Field(default=10_000, ge=1)
+    top_n: int = Field(default=20, ge=1)
+    seed: int = 0
+
+
+class LightMetricsSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_keys: int = Field(default=10_000, ge=1)
+    top_n: int = Field(default=20, ge=1)
+
+
+# Aggregates shared by every ingress replica and files on disk: their own deployment.
+WORKER = Worker("telemetry", Telemetry, host="Telemetry", settings=TelemetrySettings,
+                state_paths={"debug_dir": "debug"})
+FEATURE_STATS = Feature("feature_stats", WORKER)
+DEBUG_CAPTURE = Feature("debug_capture", WORKER)
+# A few counters per request: inside the ingress process (per replica), no RPC.
+LIGHT_WORKER = Worker("light_metrics", LightMetrics, host=None, settings=LightMetricsSettings)
+LIGHT_METRICS = Feature("light_metrics", LIGHT_WORKER)

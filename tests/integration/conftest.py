@@ -149,16 +149,22 @@ def model_stats() -> dict[str, Any]:
     return model_handle().stats.remote().result(timeout_s=10)
 
 
-ENRICHMENT_DEPLOYMENTS = ("SemanticCache", "AuditLog", "Personalization", "Experiments", "Telemetry", "Enhance")
+def enrichment_stats(http: httpx.Client) -> dict[str, Any]:
+    """Each place optional features run (the enrichment deployments, and "Ingress" for the
+    features that run in the ingress process), with its own stats and counters."""
+    r = http.get("/admin/brownout/enrichments")
+    assert r.status_code == 200, r.text
+    stats = r.json()
+    errors = {name: s["error"] for name, s in stats.items() if "error" in s}
+    assert not errors, errors
+    return stats
 
 
-def enrichment_counters() -> dict[str, int]:
-    """Calls per feature, as the enrichment deployments themselves count them."""
-    from ray import serve
-
+def enrichment_counters(http: httpx.Client) -> dict[str, int]:
+    """Calls per feature, as the workers themselves count them."""
     out: dict[str, int] = {}
-    for name in ENRICHMENT_DEPLOYMENTS:
-        out.update(serve.get_deployment_handle(name, app_name=APP).counters.remote().result(timeout_s=10))
+    for host in enrichment_stats(http).values():
+        out.update(host["counters"])
     return out
 
 

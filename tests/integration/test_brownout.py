@@ -18,10 +18,11 @@ import pytest
 
 from deployments.enrichments.audit_log import read_all
 from policies.config import parse_policy
-from serve_app.pipeline import OPTIONAL
+from policies.features import optional_names
 from tests.integration.conftest import (
     Cluster,
     enrichment_counters,
+    enrichment_stats,
     ingress_deployment,
     model_stats,
     policy_actor,
@@ -29,6 +30,7 @@ from tests.integration.conftest import (
 )
 
 pytestmark = pytest.mark.integration
+OPTIONAL = optional_names()
 MODEL = "brownout-tiny"
 CHAT = "/v1/chat/completions"
 RNG = random.Random(1234)
@@ -64,15 +66,21 @@ def wait_level(http: httpx.Client, level: int, timeout_s: float = 10) -> None:
         if state["level"] == level and state["ingress"]["snapshot_level"] == level:
             return
         time.sleep(0.1)
-    raise AssertionError(f"level {level} not reached: {state['level']} / {state['ingress']['snapshot_level']}")
+    raise AssertionError(f"level {level} not reached: {state['level']} / {state['ingress']['snapshot_level']}; "
+                         f"signals {state['signals']}; last transitions {state['recent_transitions'][-2:]}")
 
 
-def settle_counters(timeout_s: float = 10) -> dict[str, int]:
+def handle_calls(http: httpx.Client) -> int:
+    """Deployment-handle calls the ingress has made (model and enrichment deployments)."""
+    return sum(admin(http, "GET", "/admin/brownout")["ingress"]["pipeline"]["handle_calls"].values())
+
+
+def settle_counters(http: httpx.Client, timeout_s: float = 10) -> dict[str, int]:
     """Counters once background side effects have stopped moving them."""
-    last, deadline = enrichment_counters(), time.monotonic() + timeout_s
+    last, deadline = enrichment_counters(http), time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         time.sleep(0.5)
-        now = enrichment_counters()
+        now = enrichment_counters(http)
         if now == last:
             return now
         last = now
@@ -85,10 +93,14 @@ def test_pinned_level_bypasses_exactly_its_deployments(deployed: Cluster, http: 
     off = {f for f, lv in policy.off_levels().items() if lv is not None and lv <= level}
     admin(http, "POST", json={"level": level, "ttl_s": 120, "note": f"test pin {level}"})
     wait_level(http, level)
-    before = settle_counters()
+    before = settle_counters(http)
+    rpcs_before = handle_calls(http)
     # no user: personalization and A/B are still called, and the answers may be cached
     responses = [chat(http, user=None) for _ in range(3)]
-    after = settle_counters()
+    after = settle_counters(http)
+    per_request = (handle_calls(http) - rpcs_before) / 3
+    # one handle call per deployment per request phase, none for what runs in the ingress
+    assert per_request == {0: 6, 1: 5, 2: 3, 3: 1}[level], per_request
     for r in responses:
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"]
@@ -113,7 +125,7 @@ def test_semantic_cache_hit_skips_the_model(deployed: Cluster, http: httpx.Clien
     question = gibberish()
     first = chat(http, question, user=None)
     assert first.status_code == 200 and "X-Brownout-Cache" not in first.headers
-    settle_counters()  # the cache write runs after the response
+    settle_counters(http)  # the cache write runs after the response
     served = model_stats()["requests_total"]
     second = chat(http, question, user=None)
     assert second.status_code == 200 and second.headers["X-Brownout-Cache"] == "hit"
@@ -123,9 +135,9 @@ def test_semantic_cache_hit_skips_the_model(deployed: Cluster, http: httpx.Clien
 
 def test_deferred_audit_records_all_arrive_once_the_level_drops(deployed: Cluster, http: httpx.Client) -> None:
     audit_dir = deployed.data_dir / "audit"
-    settle_counters()
+    settle_counters(http)
     logged_before = len(read_all(audit_dir))
-    calls_before = enrichment_counters()["audit_log"]
+    calls_before = enrichment_counters(http)["audit_log"]
     admin(http, "POST", json={"level": 3, "ttl_s": 120})
     wait_level(http, 3)
     ids = []
@@ -134,7 +146,7 @@ def test_deferred_audit_records_all_arrive_once_the_level_drops(deployed: Cluste
         assert r.status_code == 200 and r.headers["X-Brownout-Deferred"] == "audit_log"
         ids.append(r.headers["x-request-id"])
     time.sleep(1.0)
-    assert enrichment_counters()["audit_log"] == calls_before  # no call while deferred
+    assert enrichment_counters(http)["audit_log"] == calls_before  # no call while deferred
     state = admin(http, "GET", "/admin/brownout")
     assert state["ingress"]["pipeline"]["spool_pending"]["audit_log"] >= 12
     admin(http, "DELETE", params={"level": "true"})
@@ -155,7 +167,7 @@ def test_deferred_audit_records_survive_an_ingress_restart(deployed: Cluster, ht
     import ray
 
     audit_dir = deployed.data_dir / "audit"
-    settle_counters()
+    settle_counters(http)
     logged_before = len(read_all(audit_dir))
     admin(http, "POST", json={"level": 3, "ttl_s": 300})
     wait_level(http, 3)
@@ -186,22 +198,15 @@ def test_deferred_audit_records_survive_an_ingress_restart(deployed: Cluster, ht
     assert [i for i in written if i in ids] == ids
 
 
-def _pids() -> dict[str, int]:
-    from ray import serve
-
-    from tests.integration.conftest import ENRICHMENT_DEPLOYMENTS
-
-    pids = {"VLLMModel": model_stats()["pid"]}
-    for name in ENRICHMENT_DEPLOYMENTS:
-        pids[name] = serve.get_deployment_handle(name, app_name="brownout").stats.remote().result(timeout_s=10)["pid"]
-    return pids
+def _pids(http: httpx.Client) -> dict[str, int]:
+    return {"VLLMModel": model_stats()["pid"], **{name: s["pid"] for name, s in enrichment_stats(http).items()}}
 
 
 def test_serve_deploy_hot_reloads_the_policy_without_restarts(deployed: Cluster, http: httpx.Client) -> None:
     actor = policy_actor()
     import ray
 
-    pids = _pids()
+    pids = _pids(http)
     ingress_pid = admin(http, "GET", "/admin/brownout")["ingress"]["pid"]
     config = deployed.config()
     policy = ingress_deployment(config)["user_config"]["policy"]["degradation"]
@@ -216,7 +221,7 @@ def test_serve_deploy_hot_reloads_the_policy_without_restarts(deployed: Cluster,
         time.sleep(0.25)
     assert current["level1"]["trigger"]["queue_length"] == 6
     wait_running()
-    assert _pids() == pids and admin(http, "GET", "/admin/brownout")["ingress"]["pid"] == ingress_pid
+    assert _pids(http) == pids and admin(http, "GET", "/admin/brownout")["ingress"]["pid"] == ingress_pid
 
     bad = copy.deepcopy(config)
     ingress_deployment(bad)["user_config"]["policy"]["degradation"]["level1"]["recover"]["queue_length"] = 50
@@ -230,7 +235,7 @@ def test_serve_deploy_hot_reloads_the_policy_without_restarts(deployed: Cluster,
         time.sleep(0.25)
     assert err and "level1.recover.queue_length: 50" in err
     assert ray.get(actor.get_config.remote())["config"]["level1"]["trigger"]["queue_length"] == 6
-    assert _pids() == pids
+    assert _pids(http) == pids
 
 
 def test_admin_api_rejects_bad_overrides(http: httpx.Client) -> None:

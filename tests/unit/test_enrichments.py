@@ -5,7 +5,6 @@ from __future__ import annotations
 import ast
 import asyncio
 import hashlib
-import inspect
 import json
 import os
 import re
@@ -15,15 +14,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from deployments.enrichments import ab_test, registry
-from deployments.enrichments.ab_test import CONTROL, EXCLUDED, ABTest
+from deployments.enrichments import registry
+from deployments.enrichments.ab_test import CONTROL, ABTest
 from deployments.enrichments.audit_log import AuditLog, read_all
 from deployments.enrichments.base import Enrichment
 from deployments.enrichments.enhance import Enhance, polish_text, rewrite_text
 from deployments.enrichments.personalization import Personalization
 from deployments.enrichments.semantic_cache import SemanticCache, normalise_key
-from deployments.enrichments.telemetry import Telemetry
-from policies.features import REGISTRY
+from deployments.enrichments.telemetry import LightMetrics, Telemetry
+from policies.features import REGISTRY, Stage
 
 
 def run(coro: Any) -> Any:
@@ -67,7 +66,7 @@ def record(i: int = 0, **over: Any) -> dict[str, Any]:
         "latency_ms": 100.0 + i,
         "level": 0,
         "variant": CONTROL,
-        "cache_hit": False,
+        "answered": False,
         "bypassed": [],
     }
     return {**base, **over}
@@ -86,7 +85,11 @@ def lookup(c: SemanticCache, text: str) -> dict[str, Any]:
 
 
 def write(c: SemanticCache, text: str, answer: str, **over: Any) -> dict[str, Any]:
-    return run(c.call("semantic_cache_write", record(key_text=text, response={"text": answer}, **over)))
+    return run(c.call("semantic_cache_write", {"records": [record(key_text=text, response={"text": answer}, **over)]}))
+
+
+def batch(*records: dict[str, Any]) -> dict[str, Any]:
+    return {"records": list(records)}
 
 
 @pytest.mark.parametrize(
@@ -104,7 +107,7 @@ def test_normalise_key(raw: str, normal: str) -> None:
 def test_cache_hits_a_near_duplicate_and_misses_unrelated_text() -> None:
     c, _ = cache()
     assert lookup(c, "What is the capital of France?") == {"hit": False}
-    assert write(c, "What is the capital of France?", "Paris.") == {"ok": True, "stored": True}
+    assert write(c, "What is the capital of France?", "Paris.") == {"ok": True, "stored": 1}
     hit = lookup(c, "what is the capital of france")
     assert hit["hit"] and hit["answer"] == "Paris." and hit["similarity"] == pytest.approx(1.0)
     assert lookup(c, "How do I bake sourdough bread?") == {"hit": False}
@@ -160,8 +163,8 @@ def test_cache_rewrite_of_the_same_key_replaces_and_cache_hits_are_not_written()
     write(c, "Capital of france", "Paris, France.")
     assert c.stats()["entries"] == 1
     assert lookup(c, "capital of france")["answer"] == "Paris, France."
-    assert write(c, "capital of italy", "Rome.", cache_hit=True) == {"ok": True, "stored": False}
-    assert write(c, "capital of italy", "") == {"ok": True, "stored": False}
+    assert write(c, "capital of italy", "Rome.", answered=True) == {"ok": True, "stored": 0}
+    assert write(c, "capital of italy", "") == {"ok": True, "stored": 0}
     assert c.stats()["writes"] == 2
 
 
@@ -185,7 +188,7 @@ def test_real_embedding_model_hits_a_paraphrase_and_misses_unrelated_text() -> N
 
     async def scenario() -> list[dict[str, Any]]:
         written = record(key_text="What is the capital of France?", response={"text": "Paris."})
-        await c.call("semantic_cache_write", written)
+        await c.call("semantic_cache_write", batch(written))
         queries = ["what's the capital of france", "What is the capital of Germany?", "How do I bake bread?"]
         return [await c.call("semantic_cache_lookup", {"key_text": q, "request_id": "r"}) for q in queries]
 
@@ -290,7 +293,6 @@ def test_ab_result_shape_and_no_user_gets_control() -> None:
         "system_suffix": "Answer in one short paragraph.",
         "sampling": {"temperature": 0.7},
     }
-    assert ab_test.EXCLUDED == EXCLUDED == "excluded"
 
 
 @pytest.mark.parametrize(
@@ -355,8 +357,8 @@ def test_personalization_without_seed_is_empty(tmp_path: Path) -> None:
 def test_feature_stats_aggregates_per_user_and_variant(tmp_path: Path) -> None:
     t = Telemetry(tmp_path, reservoir_size=50)
     for i in range(300):
-        run(t.call("feature_stats", record(i, user="alice" if i % 3 else "bob", latency_ms=float(i),
-                                           variant="concise" if i % 2 else CONTROL)))
+        run(t.call("feature_stats", batch(record(i, user="alice" if i % 3 else "bob", latency_ms=float(i),
+                                                 variant="concise" if i % 2 else CONTROL))))
     stats = t.stats()
     alice, bob = stats["users"]["alice"], stats["users"]["bob"]
     assert (alice["count"], bob["count"]) == (200, 100)
@@ -367,10 +369,11 @@ def test_feature_stats_aggregates_per_user_and_variant(tmp_path: Path) -> None:
     assert {v: s["count"] for v, s in stats["variants"].items()} == {"concise": 150, CONTROL: 150}
 
 
-def test_light_metrics_counts_and_stats_are_bounded(tmp_path: Path) -> None:
-    t = Telemetry(tmp_path, top_n=2, max_keys=3)
-    for i, user in enumerate(["a", "a", "a", "b", "b", "c", "d", "e", None]):
-        run(t.call("light_metrics", record(i, user=user)))
+def test_light_metrics_counts_and_stats_are_bounded() -> None:
+    t = LightMetrics(top_n=2, max_keys=3)
+    run(t.call("light_metrics", batch(*(record(i, user=user) for i, user in enumerate(["a", "a", "a", "b", "b"])))))
+    for i, user in enumerate(["c", "d", "e", None]):
+        run(t.call("light_metrics", batch(record(i, user=user))))
     light = t.stats()["light_metrics"]
     assert light == {"a": {"requests": 3, "tokens": 45}, "_other": {"requests": 3, "tokens": 45}}
     assert len(t._light) == 3 + 1
@@ -381,8 +384,8 @@ def test_debug_capture_writes_one_file_per_request_and_keeps_the_newest(tmp_path
     t = Telemetry(tmp_path, clock=clock, max_debug_files=5)
     for i in range(8):
         clock.now += 1
-        run(t.call("debug_capture", record(i)))
-    run(t.call("debug_capture", record(8, request_id="../../etc/passwd")))
+        run(t.call("debug_capture", batch(record(i))))
+    run(t.call("debug_capture", batch(record(8, request_id="../../etc/passwd"))))
     files = sorted(tmp_path.iterdir())
     assert len(files) == 5 and all(f.parent == tmp_path for f in files)
     docs = [json.loads(f.read_text()) for f in files]
@@ -392,7 +395,7 @@ def test_debug_capture_writes_one_file_per_request_and_keeps_the_newest(tmp_path
     # A restarted replica picks up the files already there and keeps pruning them.
     t2 = Telemetry(tmp_path, clock=clock, max_debug_files=5)
     clock.now += 1
-    run(t2.call("debug_capture", record(9)))
+    run(t2.call("debug_capture", batch(record(9))))
     assert len(list(tmp_path.iterdir())) == 5
 
 
@@ -453,28 +456,41 @@ def test_prompt_rewrite_adds_a_system_message_only_when_missing() -> None:
 
 def test_counters_count_calls_per_feature_and_reject_foreign_features(tmp_path: Path) -> None:
     t = Telemetry(tmp_path)
-    run(t.call("light_metrics", record()))
-    run(t.call("light_metrics", record()))
-    run(t.call("feature_stats", record()))
-    assert t.counters() == {"feature_stats": 1, "debug_capture": 0, "light_metrics": 2}
-    with pytest.raises(ValueError, match="Telemetry does not serve feature 'ab_test'"):
-        run(t.call("ab_test", {}))
-    assert t.counters()["light_metrics"] == 2
+    run(t.call("debug_capture", batch(record())))
+    run(t.call("debug_capture", batch(record())))
+    run(t.call("feature_stats", batch(record())))
+    assert t.counters() == {"feature_stats": 1, "debug_capture": 2}
+    with pytest.raises(ValueError, match="Telemetry does not serve feature 'light_metrics'"):
+        run(t.call("light_metrics", batch(record())))
+    assert t.counters()["debug_capture"] == 2
 
 
-def test_every_optional_feature_maps_to_exactly_one_kind() -> None:
-    optional = {n for n, s in REGISTRY.items() if not s.critical}
-    assert set(registry.FEATURE_TO_KIND) == optional
-    for feature, kind in registry.FEATURE_TO_KIND.items():
-        assert feature in registry.ENRICHMENTS[kind].features
-    served = [f for cls in registry.ENRICHMENTS.values() for f in cls.features]
-    assert len(served) == len(set(served))
+def test_every_optional_feature_has_one_implementation_in_registry_order() -> None:
+    feats = registry.features()
+    assert [f.name for f in feats] == [n for n, s in REGISTRY.items() if not s.critical]
+    for f in feats:
+        assert f.name in f.worker.cls.features and issubclass(f.worker.cls, Enrichment)
+        assert f.stage is REGISTRY[f.name].stage
+    # each worker's features are exactly those that name it: one object, one place
+    kinds = registry.workers(feats)
+    for kind, worker in kinds.items():
+        assert set(worker.cls.features) == {f.name for f in feats if f.worker.kind == kind}, kind
 
 
-def test_settings_keys_are_constructor_parameters() -> None:
-    assert set(registry.SETTINGS) == set(registry.ENRICHMENTS)
-    for kind, cls in registry.ENRICHMENTS.items():
-        assert registry.SETTINGS[kind] <= set(inspect.signature(cls).parameters), kind
+def test_pure_cheap_features_run_in_the_ingress_and_stateful_ones_in_deployments() -> None:
+    where = {f.name: f.host for f in registry.features()}
+    assert {n for n, h in where.items() if h is None} == {"prompt_rewrite", "ab_test", "response_polish",
+                                                          "light_metrics"}
+    assert where["semantic_cache_lookup"] == where["semantic_cache_write"] == "SemanticCache"
+    assert {n for n, s in REGISTRY.items() if s.stage is Stage.POST} == {"response_polish"}
+
+
+def test_settings_are_typed_and_state_paths_default_under_the_data_dir(tmp_path: Path) -> None:
+    kinds = registry.workers(registry.features())
+    resolved = kinds["audit_log"].resolve({"max_bytes": 1024}, tmp_path)
+    assert resolved == {"directory": str(tmp_path / "audit"), "max_bytes": 1024}
+    with pytest.raises(ValueError, match=r"enrichments\.settings\.audit_log: max_bytes: .*\(got 0\)"):
+        kinds["audit_log"].resolve({"max_bytes": 0}, tmp_path)
 
 
 def test_build_every_kind_from_plain_settings(tmp_path: Path) -> None:
@@ -485,10 +501,13 @@ def test_build_every_kind_from_plain_settings(tmp_path: Path) -> None:
         "ab_test": {"experiment": "e", "variants": [{"name": "control", "weight": 1}]},
         "telemetry": {"debug_dir": str(tmp_path / "debug"), "max_debug_files": 10},
         "enhance": {},
+        "light_metrics": {"max_keys": 5},
     }
+    kinds = registry.workers(registry.features())
+    assert set(configs) == set(kinds)
     for kind, settings in configs.items():
         built = registry.build(kind, settings)
-        assert isinstance(built, registry.ENRICHMENTS[kind]) and isinstance(built, Enrichment)
+        assert isinstance(built, kinds[kind].cls) and isinstance(built, Enrichment)
     assert isinstance(registry.build("audit_log", configs["audit_log"]).directory, Path)
 
 
@@ -496,10 +515,11 @@ def test_build_every_kind_from_plain_settings(tmp_path: Path) -> None:
     ("kind", "settings", "match"),
     [
         ("nope", {}, "unknown enrichment kind 'nope'; valid kinds: ab_test, audit_log, enhance, "
-                     "personalization, semantic_cache, telemetry"),
-        ("semantic_cache", {"ttl": 5}, "unknown setting\\(s\\) 'ttl' for enrichment kind 'semantic_cache'"),
-        ("semantic_cache", {"embedder": None}, "unknown setting\\(s\\) 'embedder'"),
-        ("audit_log", {}, "enrichment kind 'audit_log' needs setting\\(s\\) 'directory'"),
+                     "light_metrics, personalization, semantic_cache, telemetry"),
+        ("semantic_cache", {"ttl": 5}, r"enrichments\.settings\.semantic_cache: ttl: Extra inputs are not permitted"),
+        ("semantic_cache", {"embedder": None}, r"embedder: Extra inputs are not permitted"),
+        ("semantic_cache", {"ttl_s": -1}, r"ttl_s: Input should be greater than 0 \(got -1\)"),
+        ("audit_log", {}, r"enrichments\.settings\.audit_log: directory: Field required"),
         ("ab_test", {"variants": [{"name": "b", "weight": 1}]}, "must include one named 'control'"),
     ],
 )

@@ -34,3 +34,25 @@ def test_override_wins_both_ways() -> None:
 def test_unknown_feature_is_an_error() -> None:
     with pytest.raises(KeyError, match="unknown feature 'nope'"):
         enabled("nope", 0, {})
+
+
+def test_registry_lines_state_supported_off_modes_consistently() -> None:
+    from policies.features import FeatureSpec, OffMode, Stage
+
+    with pytest.raises(ValueError, match="only side effects can be deferred"):
+        FeatureSpec("x", Stage.PRE, False, "", frozenset({OffMode.SKIP, OffMode.DEFER}), impl="m:X")
+    with pytest.raises(ValueError, match="must support 'skip'"):
+        FeatureSpec("x", Stage.SIDE_EFFECT, False, "", frozenset({OffMode.DEFER}), impl="m:X")
+    with pytest.raises(ValueError, match="needs an impl"):
+        FeatureSpec("x", Stage.PRE, False, "")
+    assert all(OffMode.SKIP in s.off_modes for s in REGISTRY.values())
+
+
+def test_policy_view_is_typed_whatever_it_is_built_from() -> None:
+    from policies.features import Level, OffMode, PolicyView
+
+    v = PolicyView(level=2, enabled=["ab_test"], modes={"audit_log": "defer"}, config_version=3)
+    assert v.level is Level.AUXILIARY and v.enabled == frozenset({"ab_test"})
+    assert v.mode("audit_log") is OffMode.DEFER and v.mode("ab_test") is OffMode.SKIP
+    assert v.to_dict()["modes"] == {"audit_log": "defer"} and v.to_dict()["level"] == 2
+    assert PolicyView.all_on().enabled == frozenset(REGISTRY)

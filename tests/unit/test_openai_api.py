@@ -9,6 +9,7 @@ import re
 import pytest
 from ray.serve.exceptions import BackPressureError
 
+from deployments.model import ModelError
 from serve_app.ingress import IngressLimits, _model_call
 from serve_app.openai_api import ChatCompletionRequest, CompletionRequest, RequestError, parse_body
 
@@ -58,7 +59,7 @@ def test_full_model_queue_is_an_immediate_503_with_retry_after() -> None:
 
 def test_model_error_record_keeps_status_and_field() -> None:
     async def record():  # type: ignore[no-untyped-def]
-        return {"type": "error", "status": 400, "message": "messages is 900 tokens", "param": "messages"}
+        return ModelError(400, "messages is 900 tokens", "messages")
 
     with pytest.raises(RequestError) as info:
         asyncio.run(_model_call(record(), IngressLimits()))

@@ -1,4 +1,5 @@
-"""The ingress pipeline with recorded stage calls: gating, order, failure, defer, headers."""
+"""The ingress pipeline with recorded stage calls: gating, order, failure, defer, headers, batching,
+and a toy feature registered from outside."""
 
 from __future__ import annotations
 
@@ -7,42 +8,68 @@ from pathlib import Path
 
 import pytest
 
+from deployments.enrichments import registry
+from deployments.enrichments.ab_test import EXCLUDED
+from deployments.enrichments.base import run_calls
+from deployments.enrichments.feature import RequestState
 from deployments.enrichments.spool import DurableSpool
-from serve_app.pipeline import EXCLUDED, OPTIONAL, LevelSnapshot, Pipeline, RequestContext
+from policies.config import PolicyError, parse_policy
+from policies.features import OffMode, PolicyView, enabled_set, optional_names, registered
+from serve_app.pipeline import Pipeline
+from tests.fakes import toy_feature
 from tests.fakes.stages import FakeStages
 
+FEATURES = registry.features()
+OPTIONAL = set(optional_names())
 
-def snapshot(level: int, off: set[str] = frozenset(), modes: dict | None = None) -> LevelSnapshot:
-    return LevelSnapshot(level=level, enabled=frozenset(OPTIONAL) - set(off), modes=modes or {})
+
+def view(level: int, off: set[str] = frozenset(), modes: dict | None = None) -> PolicyView:
+    return PolicyView(level=level, enabled=frozenset(optional_names()) - set(off), modes=modes or {})
 
 
-def ctx(snap: LevelSnapshot, user: str | None = "user-1", explicit: frozenset = frozenset()) -> RequestContext:
+def ctx(v: PolicyView, user: str | None = "user-1", explicit: frozenset = frozenset()) -> RequestState:
     msgs = [{"role": "user", "content": "  hello  "}]
-    return RequestContext(request_id="r1", user=user, messages=msgs, prompt=None,
-                          sampling={"temperature": 1.0, "top_p": 1.0, "max_tokens": 8}, explicit=explicit,
-                          snapshot=snap, key_text="user: hello")
+    return RequestState(request_id="r1", user=user, messages=msgs, prompt=None,
+                        sampling={"temperature": 1.0, "top_p": 1.0, "max_tokens": 8}, explicit=explicit,
+                        view=v, key_text="user: hello")
+
+
+def pipeline(stages: FakeStages, spool_for=None, **kw) -> Pipeline:  # type: ignore[no-untyped-def]
+    return Pipeline(FEATURES, stages, spool_for, settings={"ab_test": {"experiment": "exp"}}, **kw)
 
 
 def run(coro):  # type: ignore[no-untyped-def]
     return asyncio.run(coro)
 
 
+def whole_request(p: Pipeline, c: RequestState, answer: str = "answer") -> None:
+    async def go() -> None:
+        await p.pre(c)
+        c.text = answer
+        await p.post(c)
+        p.plan_side_effects(c)
+        p.side_effects(c, c.record("stop", {"prompt_tokens": 1, "completion_tokens": 1}))
+        await p.wait_idle()
+
+    run(go())
+
+
 def test_all_on_applies_pre_stages_in_declared_order() -> None:
-    stages = FakeStages()
-    p = Pipeline(stages, None, experiment="exp")
-    c = ctx(snapshot(0))
+    p = pipeline(FakeStages())
+    c = ctx(view(0))
     run(p.pre(c))
     assert c.messages == [{"role": "system", "content": "Be friendly.\nBe brief."},
                           {"role": "user", "content": "hello"}]
     # personalization fills temperature first, then A/B overrides it (declared order)
     assert c.sampling["temperature"] == 0.7 and c.sampling["top_p"] == 0.9
-    assert c.variant == "concise" and c.bypassed == [] and c.failed == []
+    assert c.tags["variant"] == "concise" and c.bypassed == [] and c.failed == []
     assert c.headers()["X-Brownout-Level"] == "0" and c.headers()["X-Brownout-Bypassed"] == ""
+    assert c.headers()["X-Brownout-Experiment"] == "exp=concise"
 
 
 def test_client_set_sampling_is_never_overridden() -> None:
-    p = Pipeline(FakeStages(), None)
-    c = ctx(snapshot(0), explicit=frozenset({"temperature"}))
+    p = pipeline(FakeStages())
+    c = ctx(view(0), explicit=frozenset({"temperature"}))
     run(p.pre(c))
     assert c.sampling["temperature"] == 1.0 and c.sampling["top_p"] == 0.9
 
@@ -50,56 +77,84 @@ def test_client_set_sampling_is_never_overridden() -> None:
 @pytest.mark.parametrize("level, off", [
     (1, {"semantic_cache_write", "debug_capture", "light_metrics"}),
     (2, {"semantic_cache_write", "debug_capture", "light_metrics", "personalization", "ab_test", "feature_stats"}),
-    (3, set(OPTIONAL)),
+    (3, OPTIONAL),
 ])
 def test_disabled_stages_get_no_call_and_are_disclosed(level: int, off: set[str]) -> None:
     stages = FakeStages()
-    p = Pipeline(stages, None, experiment="exp")
-    c = ctx(snapshot(level, off))
-    run(p.pre(c))
-    p.plan_side_effects(c)
-    text = run(p.post(c, "answer"))
-
-    async def effects() -> None:
-        p.side_effects(c, p.record(c, text, "stop", {"prompt_tokens": 1, "completion_tokens": 1}))
-        await p.wait_idle()
-
-    run(effects())
+    p = pipeline(stages)
+    c = ctx(view(level, off), user=None)  # no user: nothing personal, so the answer is cacheable
+    whole_request(p, c)
     assert not (set(stages.calls) & off), stages.calls
-    assert set(stages.calls) == set(OPTIONAL) - off - {"semantic_cache_write"} | (
-        {"semantic_cache_write"} if "semantic_cache_write" not in off else set())
+    assert set(stages.calls) == OPTIONAL - off
     assert set(c.headers()["X-Brownout-Bypassed"].split(",")) - {""} == off
+    assert p.bypassed == {f: 1 for f in off}
     if "ab_test" in off:
-        assert c.variant == EXCLUDED and c.headers()["X-Brownout-Experiment"] == "exp=excluded"
+        assert c.tags["variant"] == EXCLUDED and c.headers()["X-Brownout-Experiment"] == "exp=excluded"
+
+
+def test_one_handle_call_per_deployment_per_phase_and_none_for_in_process_stages() -> None:
+    stages = FakeStages()
+    p = pipeline(stages)
+    whole_request(p, ctx(view(0), user=None))
+    hosted = {f.host for f in FEATURES if f.host is not None}
+    # pre: Personalization + SemanticCache; side effects: SemanticCache, AuditLog, Telemetry
+    assert p.handle_calls == {"Personalization": 1, "SemanticCache": 2, "AuditLog": 1, "Telemetry": 1}
+    assert set(p.handle_calls) == hosted
+    assert sum(p.handle_calls.values()) == 5  # plus the model: 6 handle calls, down from 11
+    assert stages.batches[None] == 3  # pre, post and side effects in the ingress process: no RPC
+    p3 = pipeline(FakeStages())
+    whole_request(p3, ctx(view(3, OPTIONAL)))
+    assert sum(p3.handle_calls.values()) == 0
 
 
 def test_failed_or_slow_stage_is_bypassed_and_counted() -> None:
     stages = FakeStages()
     stages.fail.add("personalization")
-    stages.slow_s["ab_test"] = 5
-    p = Pipeline(stages, None, default_timeout_s=0.2, experiment="exp")
-    c = ctx(snapshot(0))
+    stages.fail.add("ab_test")
+    stages.slow_s["semantic_cache_lookup"] = 5
+    p = pipeline(stages, default_timeout_s=0.2)
+    c = ctx(view(0))
     run(p.pre(c))
-    assert c.failed == ["personalization", "ab_test"]
-    assert p.failures == {"personalization": 1, "ab_test": 1}
-    assert c.variant == EXCLUDED  # a failed A/B stage also leaves the experiment
+    assert c.failed == ["personalization", "ab_test", "semantic_cache_lookup"]
+    assert p.failures == {"personalization": 1, "ab_test": 1, "semantic_cache_lookup": 1}
+    assert c.tags["variant"] == EXCLUDED  # a failed A/B stage also leaves the experiment
     assert "personalization" in c.headers()["X-Brownout-Bypassed"]
 
 
-def test_cache_hit_is_applied() -> None:
+def test_cache_hit_is_applied_and_not_written_back() -> None:
     stages = FakeStages()
     stages.cache["user: hello"] = "cached!"
-    p = Pipeline(stages, None)
-    c = ctx(snapshot(0))
+    p = pipeline(stages)
+    c = ctx(view(0), user=None)
+    whole_request(p, c)
+    assert c.answer == "cached!" and c.headers()["X-Brownout-Cache"] == "hit"
+    assert stages.calls["semantic_cache_write"] == 0
+
+
+def test_personal_answers_are_not_cached() -> None:
+    stages = FakeStages()
+    p = pipeline(stages)
+    whole_request(p, ctx(view(0), user="user-1"))  # personalized and in the treatment arm
+    assert stages.calls["semantic_cache_write"] == 0
+
+
+def test_default_mode_applies_the_configured_result() -> None:
+    stages = FakeStages()
+    p = pipeline(stages)
+    v = PolicyView(level=2, enabled=frozenset(OPTIONAL - {"personalization"}),
+                   modes={"personalization": OffMode.DEFAULT},
+                   defaults={"personalization": {"system_prefix": "Be kind."}})
+    c = ctx(v)
     run(p.pre(c))
-    assert c.cache_answer == "cached!" and c.headers()["X-Brownout-Cache"] == "hit"
+    assert stages.calls["personalization"] == 0 and "personalization" in c.bypassed
+    assert c.messages[0] == {"role": "system", "content": "Be kind.\nBe brief."}
 
 
 def test_deferred_audit_records_come_out_in_order_when_allowed(tmp_path: Path) -> None:
     stages = FakeStages()
-    p = Pipeline(stages, lambda f: DurableSpool(tmp_path, f), experiment="exp")
-    off = snapshot(3, set(OPTIONAL), modes={"audit_log": "defer"})
-    on = snapshot(0, modes={"audit_log": "defer"})
+    p = pipeline(stages, lambda f: DurableSpool(tmp_path, f))
+    off = view(3, OPTIONAL, modes={"audit_log": OffMode.DEFER})
+    on = view(0, modes={"audit_log": OffMode.DEFER})
 
     async def scenario() -> None:
         for i in range(25):
@@ -107,14 +162,14 @@ def test_deferred_audit_records_come_out_in_order_when_allowed(tmp_path: Path) -
             c.request_id = f"r{i}"
             p.plan_side_effects(c)
             assert c.deferred == ["audit_log"] and "audit_log" not in c.bypassed
-            p.side_effects(c, p.record(c, "x", "stop", {}))
+            p.side_effects(c, c.record("stop", {}))
             await p.wait_idle()
         assert stages.calls["audit_log"] == 0 and p.pending("audit_log") == 25
         # level drops: a new record queues behind the spooled ones, then all drain in order
         c = ctx(on)
         c.request_id = "r25"
         p.plan_side_effects(c)
-        p.side_effects(c, p.record(c, "x", "stop", {}))
+        p.side_effects(c, c.record("stop", {}))
         await p.wait_idle()
         await p.drain("audit_log")
 
@@ -122,11 +177,68 @@ def test_deferred_audit_records_come_out_in_order_when_allowed(tmp_path: Path) -
     written = [r["request_id"] for call in stages.payloads["audit_log"] for r in call["records"]]
     assert written == [f"r{i}" for i in range(26)]
     assert p.pending("audit_log") == 0
+    assert stages.calls["audit_log"] == 1  # the whole backlog in one batch
 
 
-def test_unavailable_features_are_neither_called_nor_listed() -> None:
+def test_features_not_given_are_neither_called_nor_listed() -> None:
     stages = FakeStages()
-    p = Pipeline(stages, None, available=frozenset({"ab_test"}), experiment="exp")
-    c = ctx(snapshot(0))
+    p = Pipeline(registry.features(["ab_test"]), stages, None)
+    c = ctx(view(0))
     run(p.pre(c))
     assert set(stages.calls) == {"ab_test"} and c.headers()["X-Brownout-Bypassed"] == ""
+
+
+# -- a feature added from outside: one module (tests/fakes/toy_feature.py) + one registry line ----
+
+TOY_POLICY = {
+    "level1": {"trigger": {"queue_length": 4}, "disable": ["debug_capture"]},
+    "level2": {"trigger": {"queue_length": 16}, "disable": ["toy_stamp"]},
+    "level3": {"trigger": {"queue_length": 48}, "disable": ["all_non_critical"]},
+}
+
+
+@pytest.mark.parametrize("level", [0, 1, 2, 3])
+def test_a_registered_toy_feature_runs_is_bypassed_at_its_level_and_is_counted(level: int) -> None:
+    with registered(toy_feature.SPEC):
+        config = parse_policy(TOY_POLICY)
+        assert config.off_levels()["toy_stamp"] == 2
+        feats = registry.features()  # the registry resolves the toy's module like any other
+        assert [f.name for f in feats][-1] == "toy_stamp"
+        toy = feats[-1]
+        local = {"toy_stamp": toy.worker.build({})}
+        stages = FakeStages()
+
+        async def call(host, calls):  # type: ignore[no-untyped-def]
+            # the toy's real worker in-process; every other feature recorded by the fake
+            mine = [i for i, (f, _) in enumerate(calls) if f in local]
+            theirs = [i for i in range(len(calls)) if i not in mine]
+            out = dict(zip(mine, await run_calls(local, [calls[i] for i in mine])))
+            if theirs:
+                out.update(zip(theirs, await stages(host, [calls[i] for i in theirs])))
+            return [out[i] for i in range(len(calls))]
+
+        p = Pipeline(feats, call, None)
+        v = PolicyView(level=level, enabled=enabled_set(level, config.off_levels()))
+        c = ctx(v)
+        whole_request(p, c)
+    bypassed = c.headers()["X-Brownout-Bypassed"].split(",")
+    if level < 2:
+        assert c.headers()["X-Toy-Stamp"] == "stamped:r1" and "toy_stamp" not in bypassed
+        assert local["toy_stamp"].counters() == {"toy_stamp": 1} and p.calls["toy_stamp"] == 1
+        assert "toy_stamp" not in p.handle_calls  # it runs in the ingress process
+    else:
+        assert "X-Toy-Stamp" not in c.headers() and "toy_stamp" in bypassed
+        assert local["toy_stamp"].counters() == {"toy_stamp": 0} and p.bypassed["toy_stamp"] == 1
+    assert "toy_stamp" not in registry.REGISTRY  # unregistered on leaving the block
+
+
+def test_a_mode_the_feature_does_not_support_is_rejected_at_load() -> None:
+    with registered(toy_feature.SPEC):
+        with pytest.raises(PolicyError, match=r"features\.toy_stamp\.mode: feature 'toy_stamp' does not "
+                                              r"support off-mode 'default'; it supports 'skip'"):
+            parse_policy({**TOY_POLICY, "features": {"toy_stamp": {"mode": "default", "default": {}}}})
+    with pytest.raises(PolicyError, match=r"features\.prompt_rewrite\.mode: feature 'prompt_rewrite' does not "
+                                          r"support off-mode 'default'"):
+        parse_policy({"features": {"prompt_rewrite": {"mode": "default", "default": {}}}})
+    with pytest.raises(PolicyError, match=r"unknown feature 'toy_stamp'"):
+        parse_policy(TOY_POLICY)  # not registered any more

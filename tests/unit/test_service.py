@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from policies.config import parse_policy
+from policies.features import OffMode
 from policies.service import PolicyCore
 from tests.fakes.clock import FakeClock
 
@@ -31,18 +32,19 @@ def test_reports_drive_the_level_up_and_stepwise_down() -> None:
     c = core(clock)
     c.report("model:a", {"queue_length": 20})
     tr = c.tick()
-    assert tr is not None and c.view()["level"] == 2
-    assert "ab_test" not in c.view()["enabled"] and "debug_capture" not in c.view()["enabled"]
+    assert tr is not None and c.view().level == 2
+    assert "ab_test" not in c.view().enabled and "debug_capture" not in c.view().enabled
     levels = []
     for _ in range(40):
         clock.advance(0.25)
         c.report("model:a", {"queue_length": 0})
         c.tick()
-        levels.append(c.view()["level"])
+        levels.append(c.view().level)
     assert levels[-1] == 0
     assert [lv for i, lv in enumerate(levels) if i == 0 or levels[i - 1] != lv] == [2, 1, 0]
     assert [t["to"] for t in c.history()] == [2, 1, 0]
-    assert c.view()["modes"] == {"audit_log": "defer"}
+    assert c.view().modes == {"audit_log": OffMode.DEFER}
+    assert c.get_state()["modes"] == {"audit_log": "defer"}
 
 
 def test_unknown_signal_is_counted_not_raised() -> None:
@@ -56,14 +58,14 @@ def test_stale_model_report_holds_the_level() -> None:
     c = core(clock)
     c.report("model:a", {"queue_length": 5})
     c.tick()
-    assert c.view()["level"] == 1
+    assert c.view().level == 1
     clock.advance(3)  # the model's report is now stale (stale_after_s 2)
     c.report("ingress:a", {"inflight": 0})
     for _ in range(20):
         clock.advance(0.5)
         c.report("ingress:a", {"inflight": 0})
         c.tick()
-    assert c.view()["level"] == 1
+    assert c.view().level == 1
     assert c.get_state()["recovery_blocked_by"] == ["queue_length"]
 
 
@@ -99,8 +101,8 @@ def test_restart_restores_config_pin_and_feature_overrides() -> None:
     clock.advance(1)
     again = core(clock, store)  # what Ray's restart of the actor does
     assert again.config.stale_after_s == 3 and again.config_version == 2
-    assert again.view()["level"] == 3 and again.get_state()["pin"]["note"] == "incident 42"
-    assert "debug_capture" in again.view()["enabled"]
+    assert again.view().level == 3 and again.get_state()["pin"]["note"] == "incident 42"
+    assert "debug_capture" in again.view().enabled
     clock.advance(100)
     again.tick()
     assert again.get_state()["pin"] is None
@@ -108,4 +110,4 @@ def test_restart_restores_config_pin_and_feature_overrides() -> None:
 
 def test_corrupt_snapshot_starts_from_given_config() -> None:
     c = PolicyCore(parse_policy(POLICY), clock=FakeClock(), restore=lambda: b"{not json")
-    assert c.view()["level"] == 0 and c.config == parse_policy(POLICY)
+    assert c.view().level == 0 and c.config == parse_policy(POLICY)
