@@ -21,6 +21,10 @@ Rules, all checked at load time (validators do no I/O):
 - Feature names must be registered (``policies.features``) or an alias; ``all_non_critical``
   means every optional feature; a critical feature may never be disabled.
 - A feature disabled at level k is disabled at every level above k.
+- Request shaping (``shape`` per level) is inherited upward the same way: at level L the cap on
+  ``max_tokens`` is the one of the highest level <= L that sets one, and the fields refused are
+  those refused at any level <= L. A cap may not grow with the level (a higher level never
+  shapes less); level 0 never shapes. The rule and why: `policies.shaping`.
 
 Optional sections (all validated the same way):
 
@@ -71,6 +75,16 @@ LEVEL_KEYS = ("level1", "level2", "level3")
 
 NonNegSeconds = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
 
+# Request fields a level may refuse (`ShapeConfig.refuse`); each costs more than one plain
+# completion. `policies.shaping.REFUSED_FIELDS` says which request fields, at which values, ask
+# for each of them.
+REFUSABLE: tuple[str, ...] = (
+    "n",  # n > 1: several completions for one request
+    "best_of",  # best_of > 1: several sequences generated, one returned
+    "logprobs",  # logprobs / top_logprobs: per-token log probabilities in the answer
+    "prompt_logprobs",  # vLLM extension: log probabilities of every prompt token
+)
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -88,8 +102,34 @@ def _check_signal_map(key: str, values: Mapping[str, float]) -> None:
             raise ValueError(f"{key}.{name}: threshold must be a finite number >= 0, got {value!r}")
 
 
+class ShapeConfig(_Strict):
+    """Request shaping at one level: a cap on output tokens and the costly fields refused.
+
+    Inherited upward (see `DegradationConfig.shape_at`); the rule and why: `policies.shaping`.
+    """
+
+    max_tokens: int | None = Field(
+        default=None, ge=1, le=1_000_000, strict=True,
+        description="the most output tokens a request gets at this level and above; a request "
+        "asking for more is lowered to it (and told so); null: inherited from the level below",
+    )
+    refuse: list[str] = Field(
+        default_factory=list,
+        description=f"fields refused at this level and above, answered with a 400 naming the "
+        f"field and the level; any of {', '.join(REFUSABLE)}",
+    )
+
+    @field_validator("refuse")
+    @classmethod
+    def _refusable(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if name not in REFUSABLE:
+                raise ValueError(f"unknown field {name!r}; valid: {', '.join(REFUSABLE)}")
+        return value
+
+
 class LevelConfig(_Strict):
-    """One level: when it triggers, when it recovers, and what it turns off."""
+    """One level: when it triggers, when it recovers, what it turns off, how it shapes requests."""
 
     trigger: dict[str, float] = Field(
         default_factory=dict,
@@ -112,6 +152,10 @@ class LevelConfig(_Strict):
     )
     cooldown_s: NonNegSeconds = Field(
         default=30.0, description="minimum time after any level change before stepping down"
+    )
+    shape: ShapeConfig = Field(
+        default_factory=ShapeConfig,
+        description="request shaping from this level up: max_tokens cap, fields refused",
     )
 
     @field_validator("trigger", "recover", mode="before")
@@ -376,6 +420,20 @@ class DegradationConfig(_Strict):
                             f"{hi_key}.trigger.{name}: {value} must be above "
                             f"{lo_key}.trigger.{name}: {lo.trigger[name]} (levels ascend)"
                         )
+        # shaping never loosens with the level: a cap at a higher level is at most a lower one's
+        for lo_i, lo_key in enumerate(LEVEL_KEYS):
+            lo = getattr(self, lo_key)
+            if lo is None or lo.shape.max_tokens is None:
+                continue
+            for hi_key in LEVEL_KEYS[lo_i + 1 :]:
+                hi = getattr(self, hi_key)
+                if hi is not None and hi.shape.max_tokens is not None:
+                    if hi.shape.max_tokens > lo.shape.max_tokens:
+                        raise ValueError(
+                            f"{hi_key}.shape.max_tokens: {hi.shape.max_tokens} must not exceed "
+                            f"{lo_key}.shape.max_tokens: {lo.shape.max_tokens} "
+                            "(a higher level never shapes less)"
+                        )
         # a critical feature may not be disabled, by a list or by off_at
         for name, off in self.off_levels().items():
             if off is not None and feat.is_critical(name):
@@ -424,6 +482,24 @@ class DegradationConfig(_Strict):
             if cfg.off_at is not None:
                 lower(name, cfg.off_at)
         return result
+
+    def shape_at(self, level: int) -> ShapeConfig:
+        """The shaping in force at ``level``, inherited upward from the levels below.
+
+        ``max_tokens``: the cap of the highest level <= ``level`` that sets one (caps never grow
+        with the level, so it is also the smallest); ``refuse``: every field refused at any level
+        <= ``level``, in `REFUSABLE` order. Level 0 (and any level below 1) never shapes.
+        """
+        cap: int | None = None
+        refused: set[str] = set()
+        for lv in range(1, min(level, len(LEVEL_KEYS)) + 1):
+            lvl = self.level(lv)
+            if lvl is None:
+                continue
+            if lvl.shape.max_tokens is not None:
+                cap = lvl.shape.max_tokens
+            refused.update(lvl.shape.refuse)
+        return ShapeConfig(max_tokens=cap, refuse=[f for f in REFUSABLE if f in refused])
 
     def off_mode(self, feature: str) -> OffMode:
         cfg = self.features.get(feature)
@@ -508,7 +584,9 @@ __all__ = [
     "Level",
     "LevelConfig",
     "PolicyError",
+    "REFUSABLE",
     "SIGNALS",
+    "ShapeConfig",
     "SloConfig",
     "default_policy",
     "load_policy",

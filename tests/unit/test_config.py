@@ -284,3 +284,58 @@ def test_derive_rejects_a_bad_batch_size() -> None:
 
     with pytest.raises(ValueError, match=r"max_num_seqs must be >= 1, got 0"):
         derive_policy(parse_policy({"slo": {"e2e_p99_ms": 2000}}), 0)
+
+
+# -- request shaping per level -------------------------------------------------------------------
+
+
+def test_shape_section_loads_and_is_inherited_upward() -> None:
+    cfg = parse_policy({"level1": {"trigger": {"gpu_util": 0.9}},
+                        "level2": {"trigger": {"gpu_util": 0.95}, "shape": {"max_tokens": 128}},
+                        "level3": {"shape": {"max_tokens": 64, "refuse": ["logprobs", "n"]}}})
+    assert [(cfg.shape_at(lv).max_tokens, cfg.shape_at(lv).refuse) for lv in range(4)] == [
+        (None, []), (None, []), (128, []), (64, ["n", "logprobs"]),
+    ]
+    assert cfg.level(1) is not None and cfg.level(1).shape.max_tokens is None  # optional
+
+
+def test_default_yaml_shapes_levels_2_and_3() -> None:
+    cfg = load_policy(ROOT / "configs" / "degradation.yaml")
+    assert cfg.shape_at(0).max_tokens is None and cfg.shape_at(1).max_tokens is None
+    assert cfg.shape_at(2).max_tokens == 128 and cfg.shape_at(2).refuse == []
+    assert cfg.shape_at(3).max_tokens == 64 and cfg.shape_at(3).refuse == ["n", "logprobs"]
+
+
+@pytest.mark.parametrize(
+    "doc, pattern",
+    [
+        ({"level2": {"shape": {"max_tokens": 0}}},
+         r"level2\.shape\.max_tokens: .*greater than or equal to 1.*\(got 0\)"),
+        ({"level2": {"shape": {"max_tokens": -64}}}, r"level2\.shape\.max_tokens: .*\(got -64\)"),
+        ({"level2": {"shape": {"max_tokens": 64.5}}},
+         r"level2\.shape\.max_tokens: .*valid integer.*\(got 64\.5\)"),
+        ({"level2": {"shape": {"max_tokens": "64"}}}, r"level2\.shape\.max_tokens: .*\(got '64'\)"),
+        ({"level2": {"shape": {"max_tokens": True}}}, r"level2\.shape\.max_tokens: .*\(got True\)"),
+        ({"level3": {"shape": {"refuse": ["logprob"]}}},
+         r"level3\.shape\.refuse: unknown field 'logprob'; valid: n, best_of, logprobs, prompt_logprobs"),
+        ({"level3": {"shape": {"refuse": ["max_tokens"]}}}, r"unknown field 'max_tokens'; valid: n, "),
+        ({"level3": {"shape": {"refuse": "n"}}}, r"level3\.shape\.refuse: .*valid list.*\(got 'n'\)"),
+        ({"level3": {"shape": {"max_token": 64}}},
+         r"level3\.shape\.max_token: unknown key 'max_token' \(value 64\)"),
+        ({"level3": {"shape": {"cap_tokens": 64}}}, r"unknown key 'cap_tokens'"),
+        ({"level3": {"shape": [64]}}, r"level3\.shape: .*\(got \[64\]\)"),
+        ({"level2": {"shape": {"max_tokens": 64}}, "level3": {"shape": {"max_tokens": 128}}},
+         r"level3\.shape\.max_tokens: 128 must not exceed level2\.shape\.max_tokens: 64 "
+         r"\(a higher level never shapes less\)"),
+        ({"level1": {"shape": {"max_tokens": 32}}, "level3": {"shape": {"max_tokens": 33}}},
+         r"level3\.shape\.max_tokens: 33 must not exceed level1\.shape\.max_tokens: 32"),
+    ],
+)
+def test_bad_shape_is_rejected_naming_key_value_and_choices(doc: dict, pattern: str) -> None:
+    with pytest.raises(PolicyError, match=pattern):
+        parse_policy(doc)
+
+
+def test_equal_caps_at_consecutive_levels_are_allowed() -> None:
+    cfg = parse_policy({"level2": {"shape": {"max_tokens": 64}}, "level3": {"shape": {"max_tokens": 64}}})
+    assert cfg.shape_at(3).max_tokens == 64
