@@ -75,6 +75,11 @@ class EngineSettings(BaseModel):
     max_num_batched_tokens: int | None = Field(
         default=None, ge=1, description="Token budget of one scheduler step; None: vLLM default."
     )
+    scheduling_policy: Literal["priority", "fcfs"] = Field(
+        default="priority",
+        description="vLLM's scheduler: 'priority' starts waiting requests by their priority "
+        "(critical first; ties first come, first served), 'fcfs' by arrival alone.",
+    )
 
     @model_validator(mode="after")
     def _budget_fits_batch(self) -> EngineSettings:
@@ -239,6 +244,7 @@ class LLMEngine:
             dtype=s.dtype,
             seed=s.seed,
             max_num_batched_tokens=s.max_num_batched_tokens,
+            scheduling_policy=s.scheduling_policy,
             # Only our stat logger: vLLM's own logging one is not needed.
             disable_log_stats=True,
         )
@@ -269,7 +275,7 @@ class LLMEngine:
 
     async def generate(
         self, prompt: str, sampling: Mapping[str, Any], request_id: str,
-        prompt_ids: Sequence[int] | None = None,
+        prompt_ids: Sequence[int] | None = None, priority: int = 0,
     ) -> AsyncIterator[Delta]:
         """Stream the completion of ``prompt`` as ``Delta`` increments.
 
@@ -279,6 +285,7 @@ class LLMEngine:
         must stay 1).
         ``request_id`` must be unique among in-flight requests. ``prompt_ids``: the prompt's
         token ids when the caller has already encoded it (`encode`), so it is tokenised once.
+        ``priority``: under the ``priority`` scheduling policy a lower value starts first.
 
         If the consumer stops early (closes the generator, or its task is cancelled) the request
         is aborted in vLLM, so it frees its batch slot and KV cache at once, and it counts in
@@ -309,7 +316,7 @@ class LLMEngine:
         finished = False
         self._inflight += 1
         self._requests_total += 1
-        stream = engine.generate(engine_input, params, request_id)
+        stream = engine.generate(engine_input, params, request_id, priority=priority)
         try:
             while True:
                 try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import asdict, dataclass
@@ -26,6 +27,7 @@ from typing import Any
 from deployments.engine import SAMPLING_KEYS, Delta, EngineSettings, LLMEngine
 from deployments.gpu import GpuProbe
 from deployments.reporting import ActorLink, replica_source, signal_reporter
+from policies.admission import should_drop
 
 logger = logging.getLogger("ray.serve")
 
@@ -83,6 +85,7 @@ class VLLMModel:
         self.max_prompt_tokens = max_prompt_tokens
         self.engine = engine or LLMEngine(self.settings)
         self.gpu = gpu_probe or GpuProbe()
+        self.dropped_late = 0  # requests past their deadline when they reached the model
         await self.engine.start()
         if policy_link is None:
             from policies.actor import get_or_create_policy_actor
@@ -127,6 +130,13 @@ class VLLMModel:
 
         Cancelling the consumer (Serve propagates a client disconnect) aborts the vLLM request.
         """
+        if should_drop(request.get("deadline_at"), time.time()):
+            # It waited past its deadline before reaching the engine: its answer would miss the
+            # SLO anyway, and computing it would delay the requests behind it that still can make it.
+            self.dropped_late += 1
+            yield ModelError(503, "the request waited past its deadline before the model could start it; "
+                             "retry later", None, kind="service_unavailable")
+            return
         prompt = self._prompt(request)
         if isinstance(prompt, ModelError):
             yield prompt
@@ -134,7 +144,8 @@ class VLLMModel:
         text, ids = prompt
         sampling = {k: request[k] for k in SAMPLING_KEYS if request.get(k) is not None}
         request_id = request.get("request_id") or uuid.uuid4().hex
-        stream = self.engine.generate(text, sampling, request_id, prompt_ids=ids)
+        stream = self.engine.generate(text, sampling, request_id, prompt_ids=ids,
+                                      priority=int(request.get("priority", 0)))
         try:
             first = await anext(stream)  # vLLM validates sampling before queueing anything
         except ValueError as err:
@@ -188,6 +199,7 @@ class VLLMModel:
         return {
             "pid": os.getpid(),
             **asdict(self.engine.stats()),
+            "dropped_late": self.dropped_late,
             "gpu": {"available": gpu.available, "reason": gpu.reason,
                     "util_ratio": gpu.util_ratio, "mem_ratio": gpu.mem_ratio},
         }

@@ -25,6 +25,7 @@ Plain logic, no Ray: the clock and the refusal hook are constructor arguments.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -124,6 +125,14 @@ class AdmissionGate:
         return RequestError(d.status, message, None, kind=_KIND[d.status], headers={
             "Retry-After": str(d.retry_after_s), "X-Brownout-Criticality": klass,
         })
+
+    def drain_s(self) -> int:
+        """Seconds for the work now admitted to drain at the measured rate (a Retry-After for
+        refusals that come from past the door, e.g. a request dropped late); at least 1."""
+        ctl = self.controller
+        if ctl is None:
+            return 1
+        return max(1, math.ceil(self.in_flight / ctl.rate_per_s))
 
     def signals(self) -> dict[str, float]:
         """Early signals for the policy actor: predicted end-to-end time, requests waiting for

@@ -177,5 +177,6 @@ def build_app(args: BrownoutArgs) -> Application:
         pipeline=args.pipeline.model_dump(),
         spool_dir=str(Path(args.enrichments.data_dir).expanduser() / "spool"),
         admin_token=args.admin_token,
+        model_slots=m.max_num_seqs,
     )
     return ingress

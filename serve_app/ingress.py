@@ -23,7 +23,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +44,12 @@ from deployments.enrichments.spool import DurableSpool
 from deployments.model import Completion, ModelError
 from deployments.reporting import ActorLink, PeriodicTask, replica_source, signal_reporter
 from deployments.window import SlidingWindow
-from policies.config import PolicyError, parse_policy
+from policies.admission import CRITICALITY_HEADER, Criticality
+from policies.config import DegradationConfig, PolicyError, parse_policy
 from policies.features import PolicyView
+from policies.shaping import NO_SHAPING, REQUEST_FIELDS, SHAPED_HEADER, TOKEN_CAP_FIELDS, ShapingPlan, shape
+from policies.slo import derive_policy
+from serve_app.admission import AdmissionGate, Ticket
 from serve_app.openai_api import (
     SSE_DONE,
     ChatCompletionRequest,
@@ -160,6 +164,32 @@ def _replica_rank() -> int:
         return 0
 
 
+class _ReleasingStream:
+    """An SSE body that calls ``on_end`` however it ends: exhausted, failed, closed by a client
+    that went away, or dropped without ever being started (a client gone before the first byte:
+    an async generator that never ran has no ``finally`` to run). ``on_end`` must be idempotent."""
+
+    def __init__(self, body: AsyncIterator[bytes], on_end: Callable[[], None]) -> None:
+        self._body, self._on_end = body, on_end
+
+    def __aiter__(self) -> _ReleasingStream:
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            return await self._body.__anext__()
+        except BaseException:  # StopAsyncIteration included
+            self._on_end()
+            raise
+
+    async def aclose(self) -> None:
+        self._on_end()
+        await self._body.aclose()  # type: ignore[attr-defined]
+
+    def __del__(self) -> None:
+        self._on_end()
+
+
 # Helpers the routes call are defined above: @serve.ingress pickles the app at decoration.
 @serve.ingress(api)
 class Ingress:
@@ -176,8 +206,10 @@ class Ingress:
         spool_dir: str | None = None,
         admin_token: str | None = None,
         policy_link: ActorLink | None = None,
+        model_slots: int = 16,
     ) -> None:
         self.model = model
+        self.model_slots = model_slots  # the engine's batch (max_num_seqs): admission and derived levels
         self.served_model_name = served_model_name
         self.limits = IngressLimits.model_validate(limits or {})
         self.settings = PipelineSettings.model_validate(pipeline or {})
@@ -216,6 +248,11 @@ class Ingress:
         self.inflight = 0
         self.latency_ms = SlidingWindow(time.monotonic, 30.0, 4096)
         self.last_policy_error: str | None = None
+        refusals = ServeCounter("brownout_admission_refusals", "Requests refused at the door, by class and reason",
+                                tag_keys=("criticality", "reason"))
+        self.gate = AdmissionGate(model_slots, on_refusal=lambda c, reason: refusals.inc(
+            tags={"criticality": c.value, "reason": reason}))
+        self.shaping: ShapingPlan = NO_SHAPING
         self.tasks = [
             PeriodicTask("refresh-level", self._refresh, self.settings.refresh_s),
             signal_reporter(self.policy, source, self._signals, self.settings.report_s),
@@ -233,7 +270,7 @@ class Ingress:
         self.view, self.view_fetched_at = view, time.time()
 
     def _signals(self) -> dict[str, float]:
-        out: dict[str, float] = {"inflight": self.inflight}
+        out: dict[str, float] = {"inflight": self.inflight, **self.gate.signals()}
         p95, mean = self.latency_ms.percentile(95), self.latency_ms.mean()
         if p95 is not None:
             out["p95_latency_ms"] = p95
@@ -259,14 +296,21 @@ class Ingress:
         if doc is None:
             return
         try:
-            parse_policy(doc)
+            # An `slo` section fills in the level triggers it implies for this engine's batch.
+            config = derive_policy(parse_policy(doc), self.model_slots)
         except PolicyError as err:
             self.last_policy_error = str(err)
             logger.error("brownout: rejected policy from user_config, running policy kept: %s", err)
             return
-        result = await self.policy.call("update_config", doc)
+        self._apply_policy(config)
+        result = await self.policy.call("update_config", config.model_dump(mode="json", exclude_none=True))
         self.last_policy_error = None if result.get("ok") else result.get("error")
         logger.info("brownout: policy from user_config: %s", result)
+
+    def _apply_policy(self, config: DegradationConfig) -> None:
+        """The parts of the policy the ingress enforces itself, per request: admission, shaping."""
+        self.gate.configure(config)
+        self.shaping = ShapingPlan.from_config(config)
 
     # -- request helpers -----------------------------------------------------------------------
 
@@ -304,34 +348,54 @@ class Ingress:
             view=self.view, key_text=_key_text(messages, prompt),
         )
 
-    def _model_request(self, ctx: RequestState) -> dict[str, Any]:
-        req = dict(ctx.sampling, request_id=ctx.request_id)
+    def _shape(self, body: Any, ctx: RequestState, field: str, max_tokens: int) -> None:
+        """Level-driven shaping (`policies.shaping`): cap tokens, refuse costly fields, say so."""
+        fields = {n: getattr(body, n, None) for n in REQUEST_FIELDS if n not in TOKEN_CAP_FIELDS}
+        fields[field] = max_tokens
+        shaped = shape(self.shaping, self.view.level, fields)
+        if shaped.refusal is not None:
+            r = shaped.refusal
+            raise RequestError(r.status, r.message, r.field, code=r.code,
+                               headers={SHAPED_HEADER: f"{r.field}=refused"})
+        if shaped.header is not None:
+            ctx.sampling = shaped.apply_to(ctx.sampling)
+            ctx.headers_out[SHAPED_HEADER] = shaped.header
+
+    def _model_request(self, ctx: RequestState, ticket: Ticket) -> dict[str, Any]:
+        req = dict(ctx.sampling, request_id=ctx.request_id, priority=ticket.priority,
+                   deadline_at=ticket.deadline_at)
         if ctx.messages is not None:
             req["messages"] = ctx.messages
         else:
             req["prompt"] = ctx.prompt
         return req
 
-    async def _serve(self, ctx: RequestState, stream: bool, include_usage: bool, chat: bool,
+    async def _serve(self, ctx: RequestState, ticket: Ticket, stream: bool, include_usage: bool, chat: bool,
                      echo_prefix: str = "") -> Response:
-        """The whole request after validation: pre stages, model (or cache), post, side effects."""
+        """The whole request after admission: pre stages, model (or cache), post, side effects.
+
+        The ticket is released when the model is done with the request: here for a whole
+        response, at the end of the stream for a streamed one (`_sse`).
+        """
         await self.pipeline.pre(ctx)
         rid = new_id("chatcmpl" if chat else "cmpl")
         if ctx.answer is not None:  # a pre stage answered: the model is not called
             result = Completion(text=ctx.answer, prompt_tokens=0, completion_tokens=0, finish_reason="stop")
             gen = None
+            self.gate.release(ticket, served=False)
         elif stream:
             self.pipeline.handle_calls[MODEL] += 1
-            gen = self.model.options(stream=True).generate_stream.remote(self._model_request(ctx))
-            await _model_call(gen.__anext__(), self.limits)
+            gen = self.model.options(stream=True).generate_stream.remote(self._model_request(ctx, ticket))
+            await self._model_call(gen.__anext__())
         else:
             gen = None
             self.pipeline.handle_calls[MODEL] += 1
-            result = await _model_call(self.model.generate.remote(self._model_request(ctx)), self.limits)
+            result = await self._model_call(self.model.generate.remote(self._model_request(ctx, ticket)))
+            self.gate.release(ticket, served=True)
 
         if stream:
             self.pipeline.plan_side_effects(ctx)
-            body = self._sse(ctx, gen, rid, chat, include_usage, echo_prefix)
+            body = self._sse(ctx, ticket, gen, rid, chat, include_usage, echo_prefix)
             return StreamingResponse(body, media_type="text/event-stream", headers=ctx.headers())
 
         ctx.text = result.text
@@ -348,8 +412,25 @@ class Ingress:
         # async, so Starlette runs it on the event loop (a sync callable would go to a thread)
         self.pipeline.side_effects(ctx, record)
 
-    async def _sse(self, ctx: RequestState, gen: Any, rid: str, chat: bool, include_usage: bool,
-                   echo_prefix: str) -> AsyncIterator[bytes]:
+    async def _model_call(self, awaitable: Any) -> Any:
+        """`_model_call`, with a computed Retry-After on the model's own 503s (a late drop)."""
+        try:
+            return await _model_call(awaitable, self.limits)
+        except RequestError as err:
+            if err.status == 503:
+                err.headers["Retry-After"] = str(self.gate.drain_s())
+            raise
+
+    def _sse(self, ctx: RequestState, ticket: Ticket, gen: Any, rid: str, chat: bool,
+             include_usage: bool, echo_prefix: str) -> AsyncIterator[bytes]:
+        def release(served: bool) -> None:
+            self.gate.release(ticket, served)
+
+        return _ReleasingStream(self._sse_body(ctx, gen, rid, chat, include_usage, echo_prefix, release),
+                                lambda: release(False))
+
+    async def _sse_body(self, ctx: RequestState, gen: Any, rid: str, chat: bool, include_usage: bool,
+                        echo_prefix: str, release: Callable[[bool], None]) -> AsyncIterator[bytes]:
         created, model = int(time.time()), self.served_model_name
         parts: list[str] = []
         finish: str | None = "stop"
@@ -374,7 +455,9 @@ class Ingress:
                                                                 delta.completion_tokens)
                     parts.append(delta.text)
                     yield chunk(delta.text, delta.finish_reason)
+                release(True)  # the model is done with it: a completion that measures its rate
         except Exception as err:  # noqa: BLE001 - headers are sent; report in-band
+            release(False)
             logger.warning("stream %s failed: %r", rid, err)
             yield sse(RequestError(500, "generation failed", None, kind="server_error").body())
             return
@@ -387,8 +470,15 @@ class Ingress:
         self.pipeline.side_effects(ctx, ctx.record(finish, usage(prompt_tokens, completion_tokens)))
 
     async def _handle(self, request: Request, chat: bool) -> Response:
+        """Validate, shape, admit (or refuse at once), then serve.
+
+        Order matters: a bad request is a 400 whatever the load; shaping may refuse a field the
+        level does not serve; admission comes last, before any enrichment or model work, so a
+        refusal costs nothing but the parse.
+        """
         started = time.monotonic()
         self.inflight += 1
+        ticket: Ticket | None = None
         try:
             if chat:
                 body: Any = await self._parse(request, ChatCompletionRequest)
@@ -399,16 +489,27 @@ class Ingress:
                 echo = ""
             else:
                 body = await self._parse(request, CompletionRequest)
-                max_tokens = self._max_tokens(body.max_tokens, "max_tokens")
+                field = "max_tokens"
+                max_tokens = self._max_tokens(body.max_tokens, field)
                 ctx = self._context(body, None, body.prompt_text(), max_tokens)
                 echo = body.prompt_text() if body.echo else ""
+            self._shape(body, ctx, field, max_tokens)
+            ticket = self.gate.admit(request.headers.get(CRITICALITY_HEADER))
+            ctx.headers_out[CRITICALITY_HEADER] = ticket.criticality.value
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            response = await self._serve(ctx, body.stream, include_usage, chat, echo)
+            response = await self._serve(ctx, ticket, body.stream, include_usage, chat, echo)
             if not body.stream:  # a stream's latency is taken when its last byte is out
                 self.latency_ms.add((time.monotonic() - started) * 1000.0)
+                self.gate.release(ticket, served=False)  # no-op when _serve released it
             return response
         except RequestError as err:
+            if ticket is not None:
+                self.gate.release(ticket, served=False)
             return err.response({"X-Brownout-Level": str(int(self.view.level))})
+        except BaseException:
+            if ticket is not None:
+                self.gate.release(ticket, served=False)
+            raise
         finally:
             self.inflight -= 1
 
@@ -466,6 +567,7 @@ class Ingress:
             "config_version": self.view.config_version,
             "pipeline": self.pipeline.counters(), "policy_link_failures": self.policy.failures,
             "last_policy_error": self.last_policy_error, "inflight": self.inflight, "pid": os.getpid(),
+            "admission": self.gate.state(),
         }
         return JSONResponse(state)
 
