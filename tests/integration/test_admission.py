@@ -1,0 +1,133 @@
+"""Deadline-aware admission and level-driven shaping, for real: a real cluster, vLLM, `serve deploy`.
+
+The policy deployed here has an ``slo`` section with a fixed cold-start service rate and a rate
+window longer than the test, so the admission caps are known in advance: with 4 completions/s
+and a 1.9 s budget (2 s SLO less 100 ms overhead), critical is admitted below 7 requests in
+flight, standard below 6, sheddable below 4. Long requests (``ignore_eos``) hold the slots while
+the test knocks at the door. The original policy is restored at the end.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.integration.conftest import Cluster, ingress_deployment
+from tests.integration.test_brownout import CHAT, MODEL, admin, gibberish, wait_level
+
+pytestmark = pytest.mark.integration
+CAPS = {"critical": 7, "standard": 6, "sheddable": 4}
+
+
+def admission_state(http: httpx.Client) -> dict[str, Any]:
+    return admin(http, "GET", "/admin/brownout")["ingress"]["admission"]
+
+
+@pytest.fixture
+def slo_policy(deployed: Cluster, http: httpx.Client) -> Iterator[None]:
+    config = deployed.config()
+    doc = ingress_deployment(config)["user_config"]["policy"]["degradation"]
+    doc["slo"] = {"e2e_p99_ms": 2000, "default_class": "critical"}
+    doc["admission"] = {"prior_rate_per_s": 4, "rate_window_s": 60, "overhead_ms": 100}
+    assert deployed.serve_deploy(config, "admission.yaml").returncode == 0
+    deadline = time.monotonic() + 30
+    while admission_state(http)["max_admitted"] != CAPS:
+        assert time.monotonic() < deadline, admission_state(http)
+        time.sleep(0.25)
+    try:
+        yield
+    finally:
+        assert deployed.serve_deploy(deployed.config(), "restored.yaml").returncode == 0
+        deadline = time.monotonic() + 30
+        while admission_state(http)["max_admitted"] == CAPS:
+            assert time.monotonic() < deadline
+            time.sleep(0.25)
+
+
+def post(base_url: str, criticality: str | None, max_tokens: int) -> httpx.Response:
+    headers = {"X-Brownout-Criticality": criticality} if criticality else {}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": gibberish()}],
+            "max_tokens": max_tokens, "ignore_eos": True}
+    with httpx.Client(base_url=base_url, timeout=120) as client:
+        return client.post(CHAT, json=body, headers=headers)
+
+
+def wait_in_flight(http: httpx.Client, n: int) -> None:
+    deadline = time.monotonic() + 20
+    while admission_state(http)["in_flight"] < n:
+        assert time.monotonic() < deadline, admission_state(http)
+        time.sleep(0.05)
+
+
+def refused(base_url: str, criticality: str, status: int) -> httpx.Response:
+    t0 = time.monotonic()
+    r = post(base_url, criticality, 8)
+    elapsed = time.monotonic() - t0
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["type"] == {429: "rate_limit_error", 503: "service_unavailable"}[status]
+    assert "Retry after" in error["message"] and error["param"] is None
+    assert int(r.headers["Retry-After"]) >= 1
+    assert r.headers["X-Brownout-Criticality"] == criticality
+    assert elapsed < 1.0, f"a refusal took {elapsed:.2f} s"
+    return r
+
+
+def test_overload_is_refused_at_once_least_important_first(
+        deployed: Cluster, http: httpx.Client, slo_policy: None) -> None:
+    url = deployed.base_url
+    before = admission_state(http)
+    with cf.ThreadPoolExecutor(max_workers=8) as pool:
+        # 4 sheddable requests fill sheddable's share of the budget...
+        held = [pool.submit(post, url, "sheddable", 96) for _ in range(4)]
+        wait_in_flight(http, 4)
+        # ...so the next sheddable one is refused (429), while standard work still gets in,
+        refused(url, "sheddable", 429)
+        held.append(pool.submit(post, url, "standard", 96))
+        # and critical work is admitted up to the last slot the SLO allows (7 in flight).
+        held += [pool.submit(post, url, None, 96) for _ in range(2)]
+        wait_in_flight(http, 7)
+        # Past that even critical work would miss the SLO: the service is saturated (503).
+        refused(url, "critical", 503)
+        answers = [f.result() for f in held]
+    assert [r.status_code for r in answers] == [200] * 7, [r.text for r in answers if r.status_code != 200]
+    assert [r.headers["X-Brownout-Criticality"] for r in answers] == ["sheddable"] * 4 + ["standard"] + ["critical"] * 2
+    after = admission_state(http)
+    assert after["in_flight"] == 0
+    new_refusals = {k: v - before["refused"].get(k, 0) for k, v in after["refused"].items()}
+    assert {k: v for k, v in new_refusals.items() if v} == {
+        "sheddable:class_share_exhausted": 1, "critical:saturated": 1}
+
+
+def test_criticality_header_lowers_never_raises(deployed: Cluster, http: httpx.Client, slo_policy: None) -> None:
+    r = post(deployed.base_url, "sheddable", 4)
+    assert r.status_code == 200 and r.headers["X-Brownout-Criticality"] == "sheddable"
+    bad = post(deployed.base_url, "urgent", 4)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "X-Brownout-Criticality"
+    assert "unknown class 'urgent'" in bad.json()["error"]["message"]
+
+
+def test_level_three_caps_max_tokens_and_says_so(deployed: Cluster, http: httpx.Client) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": gibberish()}],
+            "max_tokens": 100, "ignore_eos": True}
+    try:
+        admin(http, "POST", json={"level": 0, "ttl_s": 120, "note": "shaping test"})
+        wait_level(http, 0)
+        r0 = http.post(CHAT, json=body)
+        assert r0.status_code == 200 and "X-Brownout-Shaped" not in r0.headers
+        assert r0.json()["usage"]["completion_tokens"] == 100
+        admin(http, "POST", json={"level": 3, "ttl_s": 120, "note": "shaping test"})
+        wait_level(http, 3)
+        r3 = http.post(CHAT, json={**body, "messages": [{"role": "user", "content": gibberish()}]})
+        assert r3.status_code == 200, r3.text
+        assert r3.headers["X-Brownout-Shaped"] == "max_tokens=100->64"
+        assert r3.json()["usage"]["completion_tokens"] == 64
+        assert r3.json()["choices"][0]["finish_reason"] == "length"
+    finally:
+        admin(http, "DELETE", params={"level": "true"})
+        wait_level(http, 0)
