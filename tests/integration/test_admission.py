@@ -130,4 +130,3 @@ def test_level_three_caps_max_tokens_and_says_so(deployed: Cluster, http: httpx.
         assert r3.json()["choices"][0]["finish_reason"] == "length"
     finally:
         admin(http, "DELETE", params={"level": "true"})
-        wait_level(http, 0)
