@@ -53,22 +53,26 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from policies import features as feat
 from policies.features import Level, OffMode
 
-# The signals a policy may name, with their units in the name where they have one.
-SIGNALS: tuple[str, ...] = (
-    "gpu_util",  # 0-1, busiest GPU
-    "gpu_mem_ratio",  # 0-1, fullest GPU memory
-    "queue_length",  # requests waiting (vLLM waiting + Serve queue)
-    "inflight",  # requests being served end to end
-    "kv_cache_usage",  # 0-1, fullest vLLM KV cache
-    "avg_latency_ms",  # mean end-to-end latency over the window
-    "p95_latency_ms",  # 95th percentile end-to-end latency
-    "ttft_p95_ms",  # 95th percentile time to first token
+# The signals a policy may name, with their units in the name where they have one, and how the
+# policy actor folds the replicas' reports of each into one value (`policies.signals`): "sum"
+# for counts of work (every replica sees its own share), "max" for utilisation and latency
+# (the worst replica is the one that breaks the SLO). One table: the names are its keys.
+SIGNAL_AGGREGATION: Mapping[str, Literal["sum", "max"]] = {
+    "gpu_util": "max",  # 0-1, busiest GPU
+    "gpu_mem_ratio": "max",  # 0-1, fullest GPU memory
+    "queue_length": "sum",  # requests vLLM has accepted but not yet scheduled (engine waiting)
+    "inflight": "sum",  # requests being served end to end (ingress; open streams included)
+    "kv_cache_usage": "max",  # 0-1, fullest vLLM KV cache
+    "avg_latency_ms": "max",  # mean latency over the window
+    "p95_latency_ms": "max",  # 95th percentile latency
+    "ttft_p95_ms": "max",  # 95th percentile time to first token
     # Early signals of the SLO-derived policy (`derive_policy`); both rise before latency is lost.
-    "model_queued",  # requests admitted and waiting for the model wherever they wait (Serve's
-    #                  queue at the model deployment + vLLM's waiting queue), summed over callers
-    "predicted_e2e_ms",  # the ingress admission controller's predicted end-to-end latency of the
-    #                      next request: overhead + (in flight + 1) / measured rate, worst ingress
-)
+    "model_queued": "sum",  # requests admitted and waiting for the model's batch wherever they
+    #                         wait, as each ingress counts its own
+    "predicted_e2e_ms": "max",  # the ingress admission controller's predicted end-to-end latency
+    #                             of the next request: overhead + (in flight + 1) / measured rate
+}
+SIGNALS: tuple[str, ...] = tuple(SIGNAL_AGGREGATION)
 
 DEFAULT_RECOVER_RATIO = 0.75 / 0.9  # 0.8333: the reference design's 0.9 -> 0.75 example
 LEVEL_KEYS = ("level1", "level2", "level3")

@@ -26,25 +26,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
 
+from policies.config import SIGNAL_AGGREGATION as AGGREGATION
 from policies.config import SIGNALS
-
-Aggregation = Literal["sum", "max"]
-
-AGGREGATION: Mapping[str, Aggregation] = {
-    "gpu_util": "max",
-    "gpu_mem_ratio": "max",
-    "queue_length": "sum",
-    "inflight": "sum",
-    "kv_cache_usage": "max",
-    "avg_latency_ms": "max",
-    "p95_latency_ms": "max",
-    "ttft_p95_ms": "max",
-    "model_queued": "sum",  # each caller counts its own requests waiting for the model
-    "predicted_e2e_ms": "max",  # the ingress predicting the slowest answer sees the worst queue
-}
-assert set(AGGREGATION) == set(SIGNALS), "every signal needs an aggregation rule"
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 
+from policies.config import SIGNALS
 from policies.signals import AGGREGATION, Aggregator, Report
 
 
@@ -45,8 +46,14 @@ def test_unknown_signal_rejected() -> None:
         Report("m", 0.0, {"gpu_temp": 80})
 
 
-def test_every_signal_has_a_rule() -> None:
-    assert set(AGGREGATION.values()) == {"sum", "max"}
+@pytest.mark.parametrize("name", SIGNALS)
+def test_every_signal_is_folded_by_its_rule(name: str) -> None:
+    """Each signal's two reports fold into their sum or their max, as its rule says."""
+    agg = Aggregator(stale_after_s=5)
+    agg.add(Report("a", 10.0, {name: 0.25}))
+    agg.add(Report("b", 10.0, {name: 0.5}))
+    expected = {"sum": 0.75, "max": 0.5}[AGGREGATION[name]]
+    assert agg.aggregate(now=10.0).values == {name: expected}
 
 
 def test_bad_windows_rejected() -> None:
