@@ -280,7 +280,12 @@ class AdmissionController:
         Feed completions of requests the model served only: an abort, an error or a
         semantic-cache answer says nothing about the model's capacity.
         """
-        busy_at = min(self.slots, self._caps[0])
+        # Busy: the batch is full, or the admission limit of the least important class is
+        # reached. Not critical's: with no critical traffic nothing would fill it, the estimate
+        # could then only rise, and a capacity drop (a lower level, a slower replica) would go
+        # unseen. At or past the smallest cap the completion rate is the throughput at that
+        # concurrency, so caps follow it both ways towards latency == share * budget.
+        busy_at = min(self.slots, self._caps[-1])
         if self.estimator.observe(now, in_flight, busy_at):
             self._recompute()
 

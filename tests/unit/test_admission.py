@@ -325,3 +325,24 @@ def test_update_keeps_the_measured_rate() -> None:
 
 def test_classes_map_to_vllm_priority_critical_first() -> None:
     assert [k.vllm_priority for k in (C, S, D)] == [0, 1, 2]
+
+
+def test_capacity_drop_is_seen_under_standard_load_alone() -> None:
+    """Standard work fills its own cap (16 here), never critical's (20): those windows still
+    measure capacity, so a slower model (5/s instead of 10/s) lowers the caps."""
+    ctl = controller(slots=32)
+    t = 0.0
+    for _ in range(200):  # 5 completions/s with 13 still in flight: past sheddable's cap of 12
+        t += 0.2
+        ctl.observe_completion(t, in_flight=13)
+    assert ctl.rate_per_s == pytest.approx(5.0, rel=0.05)
+    assert [ctl.max_admitted(k) for k in (C, S, D)] in ([10, 8, 6], [9, 7, 5], [10, 8, 5])
+
+
+def test_light_load_below_every_cap_does_not_lower_the_rate() -> None:
+    ctl = controller(slots=32)
+    t = 0.0
+    for _ in range(100):  # 2 completions/s, 3 in flight: demand-limited
+        t += 0.5
+        ctl.observe_completion(t, in_flight=3)
+    assert ctl.rate_per_s == 10
