@@ -271,3 +271,32 @@ def test_run_load_stops_early_when_asked_and_refuses_other_hosts() -> None:
     assert result.stopped_early and 5 <= len(result.records) < 50
     with pytest.raises(ValueError, match=re.escape("loopback only")):
         asyncio.run(run_load("http://example.com", "m", constant(1.0, 1.0)))
+
+
+# -- the comparison's figures (bench/overload.py, without a cluster) ----------------------------
+
+def test_ratios_and_table_from_run_reports() -> None:
+    from bench import overload
+
+    def run(name: str, p99_good: float, load: str) -> dict:  # type: ignore[type-arg]
+        records = [rec(i, i * 0.5, i * 0.5 + p99_good, level=1 if i >= 4 else 0) for i in range(20)]
+        profile = step(2.0, 2.0, 6.0) if load == "step" else constant(2.0, 10.0)
+        result = RunResult(profile, records, [{"t_s": 3.5, "level": 1}] if load == "step" else [], 0.0, 1)
+        return rep.run_report(name, result, 2000.0, load=load)
+
+    runs = [run("adaptive @1.5x", 1.0, "1.5x"), run("pinned0 @1.5x", 4.0, "1.5x"), run("adaptive @3x", 1.0, "3x"),
+            run("adaptive step", 1.0, "step")]
+    capacity = {"C0": {"capacity_rps": 2.0}, "C3": {"capacity_rps": 4.0}, "builtin": {"capacity_rps": 2.0}}
+    r = overload.ratios(runs, capacity, 2000.0)
+    assert r["adaptive: p99 at 1.5xC0 / SLO"] == 0.5 and r["pinned0 p99 / adaptive p99 at 1.5xC0"] == 4.0
+    assert r["adaptive: goodput at 3xC0 / C3"] == round(runs[2]["overall"]["goodput_rps"] / 4.0, 3)
+    assert r["C3 / built-in capacity"] == 2.0 and r["reaction s (load step -> level >= 1)"] == 1.5
+    text = overload.table(runs)
+    assert text.splitlines()[0].split()[:3] == ["run", "offered", "thru"] and "adaptive @1.5x" in text
+
+
+def test_only_names_known_runs() -> None:
+    from bench import overload
+
+    with pytest.raises(SystemExit, match="unknown run"):
+        overload.main(["--only", "pinned9"])

@@ -1,0 +1,786 @@
+"""The overload benchmark: Brownout adaptive, pinned at level 0, pinned at level 3, and Ray's
+built-in ``ray.serve.llm`` OpenAI app, each alone on the machine in turn, in one command.
+
+    .venv/bin/python bench/overload.py            # the whole comparison (about 25 min on 2 cores)
+    .venv/bin/python bench/overload.py --quick    # the same, short (about 10 min): a smoke test
+    .venv/bin/python bench/overload.py --only pinned0,adaptive    # some runs only
+    .venv/bin/python bench/overload.py --url http://127.0.0.1:8000 --profile step --capacity 3.4
+
+It starts its own Ray cluster (``ray.init(address="local")``, a private temp dir, ended with
+``ray.shutdown()``), deploys ``serve_config.yaml`` with ``serve deploy`` (only the HTTP port and
+the data folder moved), and measures, with the open-loop generator of `bench.loadgen` (streamed
+chat, ``max_tokens`` 16 with ``ignore_eos``, a 20/50/30 critical/standard/sheddable mix):
+
+1. C0, the capacity at level 0 (pinned through the admin API: every optional feature on), then
+   fixed loads of 1.5 x C0 and 3 x C0 at level 0;
+2. C3, the capacity at level 3 (the minimal path), and the same fixed loads at level 3;
+3. the adaptive policy (no pin) at 1.5 x C0 and 3 x C0, a step 0.5x -> 3x -> 0.5x of C0 (reaction
+   time) and, without ``--quick``, a sine wave around C0 (level changes);
+4. Ray's built-in OpenAI app (``build_openai_app``) on the same model folder and the engine
+   settings of ``serve_config.yaml`` (max_num_seqs, max_model_len, enforce_eager, KV cache), after
+   Brownout is shut down: its capacity and the same fixed loads.
+
+Capacity is the highest Poisson rate whose probe has at most 1% errors and at most 1% of requests
+slower than the SLO (p99 end-to-end within it; default 2000 ms): a geometric ramp, then a
+bisection; a probe stops as soon as it can no longer pass. Before each adaptive run the policy
+is brought back to level 0 as on a fresh deploy: once no trigger holds (the latency windows
+have emptied), a copy of the policy with zero dwell and cooldown is applied until level 0
+holds, then the deployed policy is restored; the run itself uses the deployed policy unchanged.
+
+Writes ``bench/results/overload.json`` (``overload_quick.json`` with ``--quick``) and one figure
+next to it, and prints a table and the ratios the admission work is judged by.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import httpx
+import yaml
+
+from bench import report as rep
+from bench.loadgen import (
+    DEFAULT_MIX,
+    Calibration,
+    Probe,
+    Profile,
+    RunResult,
+    SloRule,
+    calibrate,
+    constant,
+    oscillate,
+    parse_mix,
+    run_load,
+    step,
+)
+from bench.report import percentile
+
+ROOT = Path(__file__).resolve().parents[1]
+APP = "brownout"
+MODEL = "brownout-tiny"
+RUNS = ("pinned0", "pinned3", "adaptive", "builtin")
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- settings ----------------------------------------------------------------------------------
+
+class Plan:
+    """Durations and counts of one benchmark, full or ``--quick``."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        quick = args.quick
+        self.quick = quick
+        self.slo = SloRule(slo_ms=args.slo_ms)
+        self.probe_s = args.probe_s or (10.0 if quick else 25.0)
+        self.run_s = args.run_s or (15.0 if quick else 30.0)
+        self.drain_s = args.drain_s or (10.0 if quick else 20.0)
+        self.bisect_steps = args.bisect if args.bisect is not None else (2 if quick else 3)
+        self.step_low_s, self.step_high_s = (10.0, 15.0) if quick else (20.0, 30.0)
+        self.warm_s = 8.0 if quick else 15.0
+        self.oscillate = not quick
+        self.max_tokens = args.max_tokens
+        self.mix = None if args.no_mix else (parse_mix(args.mix) if args.mix else DEFAULT_MIX)
+        self.seed = args.seed
+        self.progress = not args.no_progress
+        self.runs = tuple(x.strip() for x in args.only.split(",")) if args.only else RUNS
+        unknown = sorted(set(self.runs) - set(RUNS))
+        if unknown:
+            raise SystemExit(f"--only: unknown run(s) {unknown}; choose from {list(RUNS)}")
+        self._seq = 0
+
+    def next_seed(self) -> int | None:
+        self._seq += 1
+        return None if self.seed is None else self.seed + self._seq
+
+
+# -- other users of the machine ----------------------------------------------------------------
+
+class NoiseMonitor(threading.Thread):
+    """Samples, every ``interval_s``, the CPU (in cores) used by processes outside this command's
+    own process tree (its Ray cluster included): other work on the machine, which a 2-core
+    benchmark cannot ignore. `mean(t0, t1)` is attached to every run in the report."""
+
+    def __init__(self, interval_s: float = 2.0) -> None:
+        super().__init__(daemon=True, name="noise-monitor")
+        self.interval_s = interval_s
+        self.samples: list[tuple[float, float]] = []  # (monotonic s, cores used by others)
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        import psutil
+
+        me = psutil.Process()
+        prev: dict[int, float] = {}
+        prev_t = time.monotonic()
+        while not self._stop_event.is_set():
+            try:
+                mine = {me.pid} | {c.pid for c in me.children(recursive=True)}
+                now: dict[int, float] = {}
+                for proc in psutil.process_iter(["pid", "cpu_times"]):
+                    ct = proc.info["cpu_times"]
+                    if ct is not None:
+                        now[proc.info["pid"]] = ct.user + ct.system
+                t = time.monotonic()
+                if prev:
+                    used = sum(v - prev[pid] for pid, v in now.items() if pid in prev and pid not in mine)
+                    self.samples.append((t, max(0.0, used / (t - prev_t))))
+                prev, prev_t = now, t
+            except Exception:  # noqa: BLE001 - a missed sample is only a gap
+                pass
+            self._stop_event.wait(self.interval_s)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+    def mean(self, t0: float, t1: float) -> float | None:
+        xs = [v for t, v in self.samples if t0 <= t <= t1]
+        return round(sum(xs) / len(xs), 2) if xs else None
+
+
+NOISE = NoiseMonitor()
+
+
+# -- talking to a running server ---------------------------------------------------------------
+
+def http(base: str) -> httpx.Client:
+    return httpx.Client(base_url=base, timeout=30)
+
+
+def wait_healthy(base: str, path: str, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    with http(base) as c:
+        while time.monotonic() < deadline:
+            try:
+                r = c.get(path)
+                if r.status_code == 200:
+                    return
+                last = f"{r.status_code} {r.text[:200]}"
+            except httpx.HTTPError as err:
+                last = repr(err)
+            time.sleep(1)
+    raise RuntimeError(f"{base}{path} not healthy after {timeout_s}s: {last}")
+
+
+def wait_idle(base: str, brownout: bool, timeout_s: float = 30) -> None:
+    """Until the model has nothing running or waiting (Brownout's /healthz), so that one probe's
+    leftovers do not load the next; a fixed pause for a server without that endpoint."""
+    if not brownout:
+        time.sleep(3.0)
+        return
+    deadline = time.monotonic() + timeout_s
+    with http(base) as c:
+        while time.monotonic() < deadline:
+            try:
+                eng = c.get("/healthz").json().get("engine") or {}
+                if not eng.get("inflight") and not eng.get("num_waiting_reqs") and not eng.get("num_running_reqs"):
+                    break
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.5)
+    time.sleep(1.0)
+
+
+def admin_state(base: str) -> dict[str, Any]:
+    with http(base) as c:
+        r = c.get("/admin/brownout")
+        r.raise_for_status()
+        return r.json()
+
+
+def pin_level(base: str, level: int | None, ttl_s: float = 3600) -> None:
+    """Pin the level through the admin API (None: release the pin); wait until the ingress has it."""
+    with http(base) as c:
+        if level is None:
+            c.delete("/admin/brownout/override", params={"level": "true"}).raise_for_status()
+        else:
+            c.post("/admin/brownout/override",
+                   json={"level": level, "ttl_s": ttl_s, "note": "overload benchmark"}).raise_for_status()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        st = admin_state(base)
+        want = st.get("level") if level is None else level
+        if st.get("ingress", {}).get("snapshot_level", st.get("level")) == want and st.get("level") == want:
+            return
+        time.sleep(0.25)
+    raise RuntimeError(f"level pin {level} not in force after 15 s")
+
+
+def reset_policy(base: str, policy_doc: dict[str, Any], timeout_s: float = 120) -> float:
+    """Bring the adaptive policy back to level 0 (see the module docstring); returns seconds taken."""
+    from policies.actor import get_policy_actor
+
+    import ray
+
+    t0 = time.monotonic()
+    pin_level(base, None)
+    actor = get_policy_actor()
+    fast = copy.deepcopy(policy_doc)
+    for key, lvl in fast["degradation"].items():
+        if key.startswith("level") and isinstance(lvl, dict):
+            lvl["recover_dwell_s"] = 0
+            lvl["cooldown_s"] = 0
+    result = ray.get(actor.update_config.remote(fast))
+    if not result.get("ok"):
+        raise RuntimeError(f"fast-recovery policy rejected: {result}")
+    try:
+        calm_since = None
+        while time.monotonic() - t0 < timeout_s:
+            st = admin_state(base)
+            if st.get("level") == 0 and st.get("pin") is None:
+                calm_since = calm_since or time.monotonic()
+                if time.monotonic() - calm_since >= 3.0:
+                    break
+            else:
+                calm_since = None
+            time.sleep(0.5)
+        else:
+            raise RuntimeError(f"policy not back at level 0 after {timeout_s}s: {admin_state(base).get('signals')}")
+    finally:
+        result = ray.get(actor.update_config.remote(policy_doc))
+        if not result.get("ok"):
+            raise RuntimeError(f"deployed policy could not be restored: {result}")
+    pin_level(base, None)
+    return time.monotonic() - t0
+
+
+# -- measuring ---------------------------------------------------------------------------------
+
+def run_profile(base: str, profile: Profile, plan: Plan, label: str, *, stop: Any = None,
+                drain_s: float | None = None, mix: Any = "plan", poll: bool = True,
+                max_requests: int | None = None) -> RunResult:
+    return asyncio.run(run_load(
+        base, MODEL, profile, seed=plan.next_seed(), mix=plan.mix if mix == "plan" else mix, max_requests=max_requests,
+        max_tokens=plan.max_tokens, drain_timeout_s=plan.drain_s if drain_s is None else drain_s,
+        stop=stop, poll_levels_s=0.5 if poll else None, progress=label if plan.progress else None))
+
+
+def measure_capacity(base: str, plan: Plan, label: str, start_rps: float, growth: float,
+                     brownout: bool) -> Calibration:
+    rule = plan.slo
+
+    def measure(rate: float) -> Probe:
+        # long enough for about 20 arrivals even at a low rate: too few cannot show a p99
+        duration_s = max(plan.probe_s, 20.0 / rate)
+        t0 = time.monotonic()
+        result = run_profile(base, constant(rate, duration_s), plan, f"{label} probe {rate:.2f}/s",
+                             stop=rule.certainly_failed, drain_s=rule.slo_ms / 1000 + 1.0, mix=None,
+                             poll=False)
+        recs = result.records
+        passed = rule.passed(recs) and not result.stopped_early
+        e2e = [r.e2e_ms for r in recs if r.ok and r.e2e_ms is not None]
+        probe = Probe(round(rate, 3), passed, len(recs), sum(1 for r in recs if not r.ok),
+                      None if not e2e else round(percentile(e2e, 99) or 0, 1), result.stopped_early)
+        log(f"  {label} probe {rate:5.2f} req/s: {'pass' if passed else 'FAIL'}  n={probe.requests} "
+            f"(others {NOISE.mean(t0, time.monotonic())} cores) "
+            f"errors={probe.errors} p99={probe.p99_e2e_ms} ms{' (stopped early)' if probe.stopped_early else ''}"
+            + (f"; first error: {first_error(recs)}" if probe.errors else ""))
+        wait_idle(base, brownout)
+        return probe
+
+    cal = calibrate(measure, start_rps, growth=growth, bisect_steps=plan.bisect_steps)
+    log(f"{label} capacity: {cal.capacity_rps:.2f} req/s ({len(cal.probes)} probes)")
+    return cal
+
+
+VLLM_BENCH_KEYS = ("completed", "failed", "duration", "request_throughput", "output_throughput",
+                   "mean_ttft_ms", "p99_ttft_ms", "mean_e2el_ms", "p99_e2el_ms")
+
+
+def vllm_bench_args(base: str, num_prompts: int, rate_rps: float, seed: int) -> list[str]:
+    """The `vllm bench serve` command line the README shows, against ``base``."""
+    return ["--backend", "openai-chat", "--base-url", base, "--endpoint", "/v1/chat/completions",
+            "--model", MODEL, "--dataset-name", "random", "--random-input-len", "32",
+            "--random-output-len", "16", "--ignore-eos", "--num-prompts", str(num_prompts),
+            "--request-rate", f"{rate_rps:.2f}", "--top-k", "20", "--seed", str(seed),
+            "--percentile-metrics", "ttft,e2el", "--metric-percentiles", "50,99"]
+
+
+def vllm_bench_serve(base: str, tmp: Path, plan: Plan, num_prompts: int, rate_rps: float) -> dict[str, Any]:
+    """Run vLLM's own benchmark client against the server (unchanged) and keep its summary."""
+    seed = plan.next_seed() or int(time.time())
+    cmd = [sys.executable, str(ROOT / "bench" / "vllm_bench_serve.py"),
+           *vllm_bench_args(base, num_prompts, rate_rps, seed),
+           "--save-result", "--result-dir", str(tmp), "--result-filename", "vllm_bench.json"]
+    log(f"vllm bench serve: {num_prompts} prompts at {rate_rps:.2f} req/s")
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    path = tmp / "vllm_bench.json"
+    if out.returncode != 0 or not path.exists():
+        log(f"  vllm bench serve failed (rc {out.returncode}): {out.stderr[-2000:]}")
+        return {"ok": False, "returncode": out.returncode, "stderr_tail": out.stderr[-2000:]}
+    result = json.loads(path.read_text())
+    summary = {k: result.get(k) for k in VLLM_BENCH_KEYS}
+    log(f"  vllm bench serve: {summary}")
+    return {"ok": result.get("completed") == num_prompts, "args": vllm_bench_args("BASE", num_prompts, rate_rps, seed),
+            **summary}
+
+
+def first_error(records: Sequence[Any]) -> str:
+    bad = next((r for r in records if not r.ok), None)
+    return "" if bad is None else f"status {bad.status} {(bad.error or '')[:120]}"
+
+
+def warm_up(base: str, plan: Plan, brownout: bool, label: str) -> dict[str, Any]:
+    """Load first (the first batches after a deploy are slow), then the unloaded latency: a few
+    requests one at a time. Returns (and logs) the latter; the capacity cannot beat it."""
+    burst = run_profile(base, constant(2.0, plan.warm_s), plan, f"{label} warm-up", drain_s=60, mix=None, poll=False)
+    wait_idle(base, brownout)
+    singles: list[Any] = []
+    for _ in range(4):
+        singles += run_profile(base, constant(1000.0, 1.0), plan, f"{label} unloaded", drain_s=60, mix=None,
+                               poll=False, max_requests=1).records
+    e2e = [r.e2e_ms for r in singles if r.ok and r.e2e_ms is not None]
+    ttft = [r.ttft_ms for r in singles if r.ok and r.ttft_ms is not None]
+    doc = {"warm_up_ok": sum(1 for r in burst.records if r.ok), "warm_up_requests": len(burst.records),
+           "unloaded_e2e_ms_p50": None if not e2e else round(percentile(e2e, 50) or 0, 1),
+           "unloaded_ttft_ms_p50": None if not ttft else round(percentile(ttft, 50) or 0, 1),
+           "unloaded_requests": len(singles), "unloaded_ok": len(e2e)}
+    log(f"{label} warm-up: {doc['warm_up_ok']}/{doc['warm_up_requests']} ok; unloaded (one at a time): e2e p50 "
+        f"{doc['unloaded_e2e_ms_p50']} ms, TTFT p50 {doc['unloaded_ttft_ms_p50']} ms"
+        + (f"; {first_error(singles)}" if len(e2e) < len(singles) else ""))
+    wait_idle(base, brownout)
+    return doc
+
+
+def calibration_doc(cal: Calibration) -> dict[str, Any]:
+    return {"capacity_rps": round(cal.capacity_rps, 3), "bracketed": cal.bracketed,
+            "probes": [p.__dict__ for p in cal.probes]}
+
+
+class Bench:
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.runs: list[dict[str, Any]] = []
+        self.raw: list[dict[str, Any]] = []
+        self.capacity: dict[str, Any] = {}
+        self.phases: dict[str, float] = {}
+        self.vllm_bench: dict[str, Any] | None = None
+        self.unloaded: dict[str, Any] = {}
+
+    def run(self, name: str, system: str, base: str, profile: Profile, brownout: bool, **extra: Any) -> dict[str, Any]:
+        log(f"run {name}: {profile.name}")
+        t0 = time.monotonic()
+        result = run_profile(base, profile, self.plan, name)
+        noise = NOISE.mean(t0, time.monotonic())
+        doc = rep.run_report(name, result, self.plan.slo.slo_ms, system=system, other_cpu_cores=noise, **extra)
+        o = doc["overall"]
+        log(f"  {name}: offered {o['offered_rps']} goodput {o['goodput_rps']} req/s, p99 {o['e2e_ms']['p99']} ms, "
+            f"status {o['status_counts']}, max level {o['max_level_seen']}, other processes used {noise} cores")
+        self.runs.append(doc)
+        self.raw.append({"name": name, "records": [r.to_dict() for r in result.records], "levels": result.levels})
+        wait_idle(base, brownout)
+        return doc
+
+    def timed(self, phase: str, fn: Callable[[], Any]) -> Any:
+        t0 = time.monotonic()
+        try:
+            return fn()
+        finally:
+            self.phases[phase] = round(time.monotonic() - t0, 1)
+
+
+# -- the cluster -------------------------------------------------------------------------------
+
+def serve_config(http_port: int, data_dir: Path) -> dict[str, Any]:
+    """serve_config.yaml, unchanged but for the HTTP port and a private data folder."""
+    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    config["http_options"]["port"] = http_port
+    config["applications"][0]["args"]["enrichments"]["data_dir"] = str(data_dir)
+    return config
+
+
+def ingress_policy(config: dict[str, Any]) -> dict[str, Any]:
+    (ingress,) = [d for d in config["applications"][0]["deployments"] if d["name"] == "Ingress"]
+    return ingress["user_config"]["policy"]
+
+
+def wait_app(name: str, timeout_s: float = 600) -> None:
+    from ray import serve
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        app = serve.status().applications.get(name)
+        if app is not None and app.status == "RUNNING":
+            return
+        if app is not None and app.status == "DEPLOY_FAILED":
+            raise RuntimeError(f"deploy of {name} failed: {app.message}")
+        time.sleep(1)
+    raise RuntimeError(f"{name} not RUNNING after {timeout_s}s")
+
+
+def deploy_brownout(dashboard_url: str, config: dict[str, Any], tmp: Path) -> None:
+    path = tmp / "serve_config.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    out = subprocess.run([str(Path(sys.executable).parent / "serve"), "deploy", str(path), "--address", dashboard_url],
+                         capture_output=True, text=True, timeout=180, cwd=ROOT)
+    if out.returncode != 0:
+        raise RuntimeError(f"serve deploy failed: {out.stderr}{out.stdout}")
+    wait_app(APP)
+
+
+def deploy_builtin(http_port: int, config: dict[str, Any]) -> None:
+    """Ray's built-in OpenAI app with the engine settings of serve_config.yaml's model args."""
+    from ray import serve
+    from ray.serve.llm import LLMConfig, build_openai_app
+
+    from deployments.tiny_model import ensure_tiny_model
+
+    m = config["applications"][0]["args"]["model"]
+    engine = {"max_num_seqs": m["max_num_seqs"], "max_model_len": m["max_model_len"],
+              "enforce_eager": m["enforce_eager"], "dtype": "auto", "seed": 0}
+    cfg = LLMConfig(
+        model_loading_config={"model_id": m["served_model_name"], "model_source": str(ensure_tiny_model())},
+        accelerator_config={"kind": "cpu"},
+        engine_kwargs=engine,
+        runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": str(m["kv_cache_space_gib"])}},
+    )
+    # On 2 cores its ingress must not reserve a CPU, or the app never schedules (FACTS).
+    app = build_openai_app({"llm_configs": [cfg], "ingress_deployment_config": {"ray_actor_options": {"num_cpus": 0}}})
+    serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+    serve.run(app, name="builtin", route_prefix="/", blocking=False)
+    wait_app("builtin")
+
+
+def comparison(args: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+
+    plan = Plan(args)
+    bench = Bench(plan)
+    t_start = time.monotonic()
+    NOISE.start()
+    tmp = Path(tempfile.mkdtemp(prefix="bo-overload-"))
+    http_port, dash_port = free_port(), free_port()
+    base = f"http://127.0.0.1:{http_port}"
+    config = serve_config(http_port, tmp / "data")
+    policy_doc = ingress_policy(config)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    log(f"Ray cluster (private, {tmp.name}); runs: {', '.join(plan.runs)}; SLO p99 e2e {plan.slo.slo_ms:g} ms")
+    # 4 logical CPUs: the built-in app needs its engine, router and ingress; one app at a time.
+    ray.init(address="local", num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1",
+             dashboard_port=dash_port, _temp_dir=str(tmp / "ray"), log_to_driver=False)
+    c0 = args.c0
+    c3 = args.c3
+    try:
+        brownout_runs = [r for r in plan.runs if r != "builtin"]
+        if brownout_runs or c0 is None:
+            log("deploying Brownout (serve deploy serve_config.yaml)")
+            bench.timed("deploy_brownout", lambda: deploy_brownout(f"http://127.0.0.1:{dash_port}", config, tmp))
+            wait_healthy(base, "/healthz")
+            pin_level(base, 0)
+            bench.unloaded["brownout level 0"] = warm_up(base, plan, True, "Brownout level 0")
+            if c0 is None:
+                cal = bench.timed("calibrate_c0", lambda: measure_capacity(base, plan, "C0 (level 0)", 2.0, 2.0, True))
+                c0 = cal.capacity_rps
+                bench.capacity["C0"] = calibration_doc(cal)
+            else:
+                bench.capacity["C0"] = {"capacity_rps": c0, "given": True}
+            if c0 <= 0:
+                raise RuntimeError(
+                    f"C0 is 0: no probe met the SLO ({plan.slo.slo_ms:g} ms) with level 0 pinned; one request "
+                    f"alone takes {bench.unloaded.get('brownout level 0', {}).get('unloaded_e2e_ms_p50')} ms end "
+                    "to end here. Check the machine is quiet, or give --slo-ms above that figure.")
+            loads = {"1.5x": 1.5 * c0, "3x": 3.0 * c0}
+            if "pinned0" in plan.runs:
+                for tag, rate in loads.items():
+                    bench.timed(f"pinned0_{tag}", lambda tag=tag, rate=rate: bench.run(
+                        f"pinned0 @{tag}", "brownout-level0", base, constant(rate, plan.run_s), True, load=tag))
+            if not args.no_vllm_bench:
+                bench.vllm_bench = bench.timed("vllm_bench_serve", lambda: vllm_bench_serve(
+                    base, tmp, plan, num_prompts=16 if plan.quick else 40, rate_rps=0.5 * c0))
+            if "pinned3" in plan.runs or (c3 is None and "adaptive" in plan.runs):
+                pin_level(base, 3)
+                bench.unloaded["brownout level 3"] = warm_up(base, plan, True, "Brownout level 3")
+                if c3 is None:
+                    cal = bench.timed("calibrate_c3", lambda: measure_capacity(
+                        base, plan, "C3 (level 3)", 1.25 * c0, 1.5, True))
+                    c3 = cal.capacity_rps
+                    bench.capacity["C3"] = calibration_doc(cal)
+                if "pinned3" in plan.runs:
+                    for tag, rate in loads.items():
+                        bench.timed(f"pinned3_{tag}", lambda tag=tag, rate=rate: bench.run(
+                            f"pinned3 @{tag}", "brownout-level3", base, constant(rate, plan.run_s), True, load=tag))
+            if c3 is not None and "C3" not in bench.capacity:
+                bench.capacity["C3"] = {"capacity_rps": c3, "given": True}
+            if "adaptive" in plan.runs:
+                adaptive = [(f"adaptive @{tag}", constant(rate, plan.run_s), {"load": tag}) for tag, rate in loads.items()]
+                adaptive.append(("adaptive step", step(c0, plan.step_low_s, plan.step_high_s), {"load": "step"}))
+                if plan.oscillate:
+                    adaptive.append(("adaptive oscillate", oscillate(c0, 0.5 * c0, 30.0, 90.0), {"load": "oscillate"}))
+                for name, profile, extra in adaptive:
+                    log(f"resetting the policy to level 0 before {name}")
+                    took = bench.timed(f"reset_{name}", lambda: reset_policy(base, policy_doc))
+                    log(f"  reset took {took:.0f} s")
+                    bench.timed(name, lambda name=name, profile=profile, extra=extra: bench.run(
+                        name, "brownout-adaptive", base, profile, True, **extra))
+            log("shutting Brownout down")
+            serve.shutdown()
+        if "builtin" in plan.runs:
+            log("deploying Ray's built-in LLM app (build_openai_app)")
+            bench.timed("deploy_builtin", lambda: deploy_builtin(http_port, config))
+            wait_healthy(base, "/v1/models")
+            bench.unloaded["builtin"] = warm_up(base, plan, False, "built-in")
+            cal = bench.timed("calibrate_builtin", lambda: measure_capacity(
+                base, plan, "built-in", c0, 1.5, False))
+            bench.capacity["builtin"] = calibration_doc(cal)
+            for tag, rate in {"1.5x": 1.5 * c0, "3x": 3.0 * c0}.items():
+                bench.timed(f"builtin_{tag}", lambda tag=tag, rate=rate: bench.run(
+                    f"builtin @{tag}", "ray-serve-llm", base, constant(rate, plan.run_s), False, load=tag))
+    except Exception as err:  # noqa: BLE001 - keep what was measured; the report says what failed
+        failed = f"{type(err).__name__}: {err}"
+        log(f"FAILED: {failed}")
+    else:
+        failed = None
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    total_s = time.monotonic() - t_start
+    doc = {
+        "meta": meta(plan, args, total_s, bench.phases),
+        "failed": failed,
+        "capacity": bench.capacity,
+        "unloaded": bench.unloaded,
+        "ratios": ratios(bench.runs, bench.capacity, plan.slo.slo_ms),
+        "vllm_bench_serve": bench.vllm_bench,
+        "runs": bench.runs,
+    }
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = args.name or ("overload_quick" if plan.quick else "overload")
+    (out_dir / f"{stem}.json").write_text(json.dumps(doc, indent=1) + "\n")
+    if args.raw:
+        Path(args.raw).write_text("".join(json.dumps(r) + "\n" for r in bench.raw))
+    if bench.runs:
+        plot(doc, out_dir / f"{stem}.png", plan.slo.slo_ms)
+    print_summary(doc)
+    log(f"wrote {out_dir / (stem + '.json')} and {stem}.png in {total_s / 60:.1f} min")
+    return 1 if failed else 0
+
+
+# -- results -----------------------------------------------------------------------------------
+
+def meta(plan: Plan, args: argparse.Namespace, total_s: float, phases: dict[str, float]) -> dict[str, Any]:
+    return {
+        "command": "bench/overload.py " + " ".join(sys.argv[1:]),
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "slo": {"p99_e2e_ms": plan.slo.slo_ms, "max_error_ratio": plan.slo.max_error_ratio},
+        "request": {"endpoint": "/v1/chat/completions", "stream": True, "max_tokens": plan.max_tokens,
+                    "ignore_eos": True, "arrivals": "Poisson (open loop)",
+                    "criticality_mix": dict(plan.mix) if plan.mix else None},
+        "durations_s": {"probe": plan.probe_s, "run": plan.run_s, "drain": plan.drain_s,
+                        "step": [plan.step_low_s, plan.step_high_s, plan.step_low_s]},
+        "bisect_steps": plan.bisect_steps,
+        "quick": plan.quick,
+        "wall_s": round(total_s, 1),
+        "other_cpu_cores_mean": NOISE.mean(0.0, float("inf")),
+        "phases_s": phases,
+    }
+
+
+def _find(runs: Sequence[dict[str, Any]], name: str) -> dict[str, Any] | None:
+    return next((r for r in runs if r["name"] == name), None)
+
+
+def _div(a: float | None, b: float | None, nd: int = 3) -> float | None:
+    return None if a is None or not b else round(a / b, nd)
+
+
+def ratios(runs: Sequence[dict[str, Any]], capacity: dict[str, Any], slo_ms: float) -> dict[str, Any]:
+    """The figures the admission work must move, per system where they apply."""
+    c3 = (capacity.get("C3") or {}).get("capacity_rps")
+    cb = (capacity.get("builtin") or {}).get("capacity_rps")
+    out: dict[str, Any] = {}
+    for system in ("adaptive", "pinned0", "pinned3", "builtin"):
+        hi = _find(runs, f"{system} @3x")
+        mid = _find(runs, f"{system} @1.5x")
+        if hi:
+            out[f"{system}: goodput at 3xC0 / C3"] = _div(hi["overall"]["goodput_rps"], c3)
+        if mid:
+            out[f"{system}: p99 at 1.5xC0 / SLO"] = _div(mid["overall"]["e2e_ms"]["p99"], slo_ms)
+    p0, pa = _find(runs, "pinned0 @1.5x"), _find(runs, "adaptive @1.5x")
+    if p0 and pa:
+        out["pinned0 p99 / adaptive p99 at 1.5xC0"] = _div(p0["overall"]["e2e_ms"]["p99"], pa["overall"]["e2e_ms"]["p99"])
+    out["C3 / built-in capacity"] = _div(c3, cb)
+    stepped = _find(runs, "adaptive step")
+    if stepped and stepped["load_steps_s"]:
+        timeline = [(p["t_s"], p["level"]) for p in stepped["levels"]]
+        out["reaction s (load step -> level >= 1)"] = rep.reaction_s(timeline, stepped["load_steps_s"][0], 1)
+    osc = _find(runs, "adaptive oscillate")
+    if osc:
+        out["level changes under oscillation"] = osc["level_changes"]
+    return out
+
+
+def summary_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"name": r["name"], "offered_rps": r["overall"]["offered_rps"], "goodput_rps": r["overall"]["goodput_rps"],
+             "p99_ms": r["overall"]["e2e_ms"]["p99"], "shed_ratio": r["overall"]["shed_ratio"]}
+            for r in doc["runs"] if r.get("load") in ("1.5x", "3x")]
+
+
+def plot(doc: dict[str, Any], path: Path, slo_ms: float) -> None:
+    order = ["adaptive @3x", "pinned0 @3x", "pinned3 @3x", "builtin @3x", "adaptive step",
+             "adaptive @1.5x", "pinned0 @1.5x", "pinned3 @1.5x", "builtin @1.5x", "adaptive oscillate"]
+    runs = [r for name in order if (r := _find(doc["runs"], name))]
+    runs += [r for r in doc["runs"] if r not in runs]
+    caps = {k: v.get("capacity_rps") for k, v in doc["capacity"].items()}
+    title = (f"Brownout overload benchmark ({doc['meta']['machine']['cpus']} CPUs, SLO p99 {slo_ms / 1000:g} s): "
+             + ", ".join(f"{k} {v:.2f} req/s" for k, v in caps.items() if v is not None))
+    notes = [f"{k} capacity {v:.2f} req/s" for k, v in caps.items() if v is not None] + [""]
+    notes += [f"{k}: {v}" for k, v in doc["ratios"].items() if not k.startswith(("pinned", "builtin"))]
+    rep.plot_runs(runs, str(path), title, slo_ms, summary_rows(doc), notes)
+
+
+def table(runs: Sequence[dict[str, Any]]) -> str:
+    head = ("run", "offered", "thru", "goodput", "p50 ms", "p99 ms", "ttft p99", "shed", "other err", "max lvl",
+            "noise")
+    rows = [head]
+    for r in runs:
+        o = r["overall"]
+        rows.append((r["name"], f"{o['offered_rps']:.2f}", f"{o['throughput_rps']:.2f}", f"{o['goodput_rps']:.2f}",
+                     _fmt(o["e2e_ms"]["p50"]), _fmt(o["e2e_ms"]["p99"]), _fmt(o["ttft_ms"]["p99"]),
+                     str(o["shed"]), str(o["errors"] - o["shed"]),
+                     "-" if o["max_level_seen"] is None else str(o["max_level_seen"]),
+                     "-" if r.get("other_cpu_cores") is None else f"{r['other_cpu_cores']:.2f}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True)))
+             for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0f}"
+
+
+def print_summary(doc: dict[str, Any]) -> None:
+    print()
+    print("capacity (req/s, p99 e2e within the SLO, <= 1% errors):")
+    for k, v in doc["capacity"].items():
+        probes = len(v.get("probes", []))
+        print(f"  {k:8s} {v['capacity_rps']:.2f}" + (f"  ({probes} probes)" if probes else "  (given)"))
+    for k, v in doc.get("unloaded", {}).items():
+        print(f"  unloaded {k}: one request alone e2e p50 {v.get('unloaded_e2e_ms_p50')} ms, "
+              f"TTFT p50 {v.get('unloaded_ttft_ms_p50')} ms")
+    print()
+    print("rates in req/s; latencies end to end from the scheduled time, over completed requests;")
+    print("noise: CPU cores used meanwhile by processes outside this benchmark (other work on the machine)")
+    print(table(doc["runs"]))
+    vb = doc.get("vllm_bench_serve")
+    if vb:
+        print()
+        print(f"vllm bench serve (openai-chat) against Brownout: {'ok' if vb.get('ok') else 'FAILED'} "
+              f"completed {vb.get('completed')}, failed {vb.get('failed')}, p99 e2e {vb.get('p99_e2el_ms')} ms")
+    noise = doc["meta"].get("other_cpu_cores_mean")
+    if noise is not None and noise > 0.25:
+        print()
+        print(f"WARNING: other processes used {noise:.2f} CPU cores on average during the benchmark: on a "
+              "2-core machine the figures are not representative; run it again on a quiet machine.")
+    print()
+    print("ratios:")
+    for k, v in doc["ratios"].items():
+        print(f"  {k}: {v}")
+
+
+# -- one profile against a running server ------------------------------------------------------
+
+def single(args: argparse.Namespace) -> int:
+    plan = Plan(args)
+    NOISE.start()
+    base = args.url.rstrip("/")
+    wait_healthy(base, "/v1/models", timeout_s=10)
+    brownout = httpx.get(base + "/admin/brownout", timeout=10).status_code != 404
+    if args.profile == "calibrate":
+        cal = measure_capacity(base, plan, "capacity", args.rate or 2.0, 2.0, brownout)
+        print(json.dumps(calibration_doc(cal), indent=1))
+        return 0
+    cap = args.capacity
+    if args.profile == "fixed":
+        if not args.rate:
+            raise SystemExit("--profile fixed needs --rate")
+        profile = constant(args.rate, plan.run_s)
+    elif args.profile == "step":
+        if not cap:
+            raise SystemExit("--profile step needs --capacity")
+        profile = step(cap, plan.step_low_s, plan.step_high_s)
+    else:
+        if not cap:
+            raise SystemExit("--profile oscillate needs --capacity")
+        profile = oscillate(cap, 0.5 * cap, 30.0, args.run_s or 90.0)
+    bench = Bench(plan)
+    run = bench.run(args.profile, "url", base, profile, brownout, load=args.profile)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = args.name or f"loadgen_{args.profile}"
+    doc = {"meta": meta(plan, args, 0.0, {}), "capacity": {}, "runs": [run],
+           "reaction_s": rep.reaction_s([(p["t_s"], p["level"]) for p in run["levels"]], run["load_steps_s"][0])
+           if run["load_steps_s"] else None}
+    (out_dir / f"{stem}.json").write_text(json.dumps(doc, indent=1) + "\n")
+    rep.plot_runs([run], str(out_dir / f"{stem}.png"), f"{profile.name} against {base}", plan.slo.slo_ms)
+    print(table([run]))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="short probes and runs: a smoke test of a few minutes")
+    ap.add_argument("--only", default=None, help=f"comma-separated runs among {','.join(RUNS)} (default: all)")
+    ap.add_argument("--slo-ms", type=float, default=2000.0, help="SLO: p99 end-to-end latency (ms)")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--mix", default=None, help="critical/standard/sheddable percentages (default 20/50/30)")
+    ap.add_argument("--no-mix", action="store_true", help="send no criticality header")
+    ap.add_argument("--c0", type=float, default=None, help="use this C0 instead of calibrating it")
+    ap.add_argument("--c3", type=float, default=None, help="use this C3 instead of calibrating it")
+    ap.add_argument("--probe-s", type=float, default=None, help="seconds per calibration probe")
+    ap.add_argument("--run-s", type=float, default=None, help="seconds per fixed-rate run")
+    ap.add_argument("--drain-s", type=float, default=None, help="wait this long for stragglers after a run")
+    ap.add_argument("--bisect", type=int, default=None, help="bisection steps of the calibration")
+    ap.add_argument("--seed", type=int, default=None, help="fix the prompts and schedules (default: fresh per run)")
+    ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--name", default=None, help="file stem of the report and figure")
+    ap.add_argument("--raw", default=None, help="also write every request record (JSON lines) here")
+    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--no-vllm-bench", action="store_true", help="skip the `vllm bench serve` compatibility run")
+    ap.add_argument("--url", default=None, help="run one --profile against this running server instead")
+    ap.add_argument("--profile", choices=("calibrate", "fixed", "step", "oscillate"), default="fixed")
+    ap.add_argument("--rate", type=float, default=None, help="req/s of --profile fixed (start of calibrate)")
+    ap.add_argument("--capacity", type=float, default=None, help="the capacity --profile step/oscillate scale")
+    args = ap.parse_args(argv)
+    return single(args) if args.url else comparison(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
