@@ -70,6 +70,17 @@ def wait_level(http: httpx.Client, level: int, timeout_s: float = 10) -> None:
                          f"signals {state['signals']}; last transitions {state['recent_transitions'][-2:]}")
 
 
+def pin(http: httpx.Client, level: int, ttl_s: float = 300) -> None:
+    """Pin ``level`` and wait until the ingress serves at it.
+
+    Tests that need the features of a level pin it rather than wait for the policy to settle
+    there: on a busy 2-core machine a few slow requests are enough for the real policy to sit
+    at level 1 (p95 latency trigger) for a whole recover dwell.
+    """
+    admin(http, "POST", json={"level": level, "ttl_s": ttl_s, "note": f"test pin {level}"})
+    wait_level(http, level)
+
+
 def handle_calls(http: httpx.Client) -> int:
     """Deployment-handle calls the ingress has made (model and enrichment deployments)."""
     return sum(admin(http, "GET", "/admin/brownout")["ingress"]["pipeline"]["handle_calls"].values())
@@ -121,7 +132,7 @@ def test_pinned_level_bypasses_exactly_its_deployments(deployed: Cluster, http: 
 
 
 def test_semantic_cache_hit_skips_the_model(deployed: Cluster, http: httpx.Client) -> None:
-    wait_level(http, 0)
+    pin(http, 0)
     question = gibberish()
     first = chat(http, question, user=None)
     assert first.status_code == 200 and "X-Brownout-Cache" not in first.headers
@@ -131,6 +142,7 @@ def test_semantic_cache_hit_skips_the_model(deployed: Cluster, http: httpx.Clien
     assert second.status_code == 200 and second.headers["X-Brownout-Cache"] == "hit"
     assert second.json()["choices"][0]["message"]["content"] == first.json()["choices"][0]["message"]["content"]
     assert model_stats()["requests_total"] == served
+    admin(http, "DELETE", params={"level": "true"})
 
 
 def test_deferred_audit_records_all_arrive_once_the_level_drops(deployed: Cluster, http: httpx.Client) -> None:
@@ -149,8 +161,7 @@ def test_deferred_audit_records_all_arrive_once_the_level_drops(deployed: Cluste
     assert enrichment_counters(http)["audit_log"] == calls_before  # no call while deferred
     state = admin(http, "GET", "/admin/brownout")
     assert state["ingress"]["pipeline"]["spool_pending"]["audit_log"] >= 12
-    admin(http, "DELETE", params={"level": "true"})
-    wait_level(http, 0)
+    pin(http, 0)  # the level drops
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
         records = read_all(audit_dir)
@@ -160,6 +171,7 @@ def test_deferred_audit_records_all_arrive_once_the_level_drops(deployed: Cluste
     new = [r["request_id"] for r in records[logged_before:]]
     assert [i for i in new if i in ids] == ids  # count in = count out, in order
     assert admin(http, "GET", "/admin/brownout")["ingress"]["pipeline"]["spool_pending"]["audit_log"] == 0
+    admin(http, "DELETE", params={"level": "true"})
 
 
 def test_deferred_audit_records_survive_an_ingress_restart(deployed: Cluster, http: httpx.Client) -> None:
@@ -187,8 +199,7 @@ def test_deferred_audit_records_survive_an_ingress_restart(deployed: Cluster, ht
             pass
         assert time.monotonic() < deadline, "no new ingress replica"
         time.sleep(0.5)
-    admin(http, "DELETE", params={"level": "true"})
-    wait_level(http, 0)
+    pin(http, 0)  # the level drops
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         written = [r["request_id"] for r in read_all(audit_dir)[logged_before:]]
@@ -196,6 +207,7 @@ def test_deferred_audit_records_survive_an_ingress_restart(deployed: Cluster, ht
             break
         time.sleep(0.5)
     assert [i for i in written if i in ids] == ids
+    admin(http, "DELETE", params={"level": "true"})
 
 
 def _pids(http: httpx.Client) -> dict[str, int]:
@@ -272,7 +284,6 @@ def test_policy_actor_restart_keeps_config_and_pins(deployed: Cluster, http: htt
     r = chat(http)
     assert r.status_code == 200 and r.headers["X-Brownout-Level"] == "2"
     admin(http, "DELETE", params={"level": "true", "feature": "debug_capture"})
-    wait_level(http, 0)
 
 
 def test_level_and_features_are_prometheus_metrics(deployed: Cluster) -> None:
