@@ -112,8 +112,8 @@ class PolicyActor:
     async def clear_override(self, level: bool = False, feature: str | None = None) -> dict[str, Any]:
         return self.core.clear_override(level=level, feature=feature)
 
-    async def update_config(self, document: dict[str, Any]) -> dict[str, Any]:
-        return self.core.update_config(document)
+    async def update_config(self, document: dict[str, Any], batch_slots: int | None = None) -> dict[str, Any]:
+        return self.core.update_config(document, batch_slots)
 
     async def get_config(self) -> dict[str, Any]:
         return {"config": self.core.config.model_dump(mode="json"), "config_version": self.core.config_version}

@@ -31,6 +31,7 @@ from policies.controller import (
 )
 from policies.features import FeatureOverride, Level, OffMode, PolicyView
 from policies.signals import Aggregator, Report, Signals
+from policies.slo import derive_policy
 
 logger = logging.getLogger("brownout.policy")
 
@@ -59,6 +60,9 @@ class PolicyCore:
         self.reports = 0
         self.config_version = 1
         self.last_config_error: str | None = None
+        # The engine's batch size, as the ingress last said (`update_config`): a policy with an
+        # `slo` section has its level triggers derived for it (`policies.slo`).
+        self.batch_slots: int | None = None
         self._persist = persist
         self._on_transition = on_transition
         if restore is not None:
@@ -71,6 +75,7 @@ class PolicyCore:
         return json.dumps({
             "config": self.config.model_dump(mode="json"),
             "config_version": self.config_version,
+            "batch_slots": self.batch_slots,
             "level": int(self.state.policy_level),
             "pin": None if pin is None else {"level": int(pin.level), "expires_at": pin.expires_at, "note": pin.note},
             "features": [{"feature": o.feature, "enabled": o.enabled, "expires_at": o.expires_at}
@@ -93,6 +98,7 @@ class PolicyCore:
             doc = json.loads(raw)
             self.config = parse_policy(doc["config"])
             self.config_version = doc.get("config_version", 1)
+            self.batch_slots = doc.get("batch_slots")
             pin = doc.get("pin")
             overrides = {f["feature"]: FeatureOverride(f["feature"], f["enabled"], f["expires_at"])
                          for f in doc.get("features", [])}
@@ -177,10 +183,21 @@ class PolicyCore:
         logger.warning(json.dumps({"event": "brownout_override_cleared", "at": now, "level": level, "feature": feature}))
         return {"ok": True, "state": self.get_state()}
 
-    def update_config(self, document: Mapping[str, Any]) -> dict[str, Any]:
-        """Validate and swap the policy. A rejected config leaves the running one in force."""
+    def update_config(self, document: Mapping[str, Any], batch_slots: int | None = None) -> dict[str, Any]:
+        """Validate and swap the policy. A rejected config leaves the running one in force.
+
+        The actor holds the one policy every reader follows: the ingress replicas read the
+        level from its view and, when its ``config_version`` moves, the policy itself (for
+        admission and shaping). ``batch_slots``: the engine's batch size (the ingress sends it;
+        other callers may leave it out and the last one given is used): a policy with an
+        ``slo`` section gets the level triggers it does not write itself derived for it.
+        """
+        if batch_slots is not None:
+            self.batch_slots = int(batch_slots)
         try:
             config = parse_policy(document)
+            if config.slo is not None and self.batch_slots is not None:
+                config = derive_policy(config, self.batch_slots)
         except PolicyError as err:
             self.last_config_error = str(err)
             logger.error(json.dumps({"event": "brownout_config_rejected", "error": str(err)}))

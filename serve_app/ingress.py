@@ -253,6 +253,7 @@ class Ingress:
         self.gate = AdmissionGate(model_slots, on_refusal=lambda c, reason: refusals.inc(
             tags={"criticality": c.value, "reason": reason}))
         self.shaping: ShapingPlan = NO_SHAPING
+        self.policy_version = -1  # the actor's config_version that admission and shaping follow
         self.tasks = [
             PeriodicTask("refresh-level", self._refresh, self.settings.refresh_s),
             signal_reporter(self.policy, source, self._signals, self.settings.report_s),
@@ -267,6 +268,12 @@ class Ingress:
         view = await self.policy.call("view")
         if not isinstance(view, PolicyView):
             raise TypeError(f"the policy actor sent {type(view).__name__}, not a PolicyView")
+        if view.config_version != self.policy_version:
+            # The actor's policy is the one source of truth: a `serve deploy`, an operator's
+            # update_config or a restored copy all reach admission and shaping this way.
+            doc = await self.policy.call("get_config")
+            self._apply_policy(parse_policy(doc["config"]))
+            self.policy_version = doc["config_version"]
         self.view, self.view_fetched_at = view, time.time()
 
     def _signals(self) -> dict[str, float]:
@@ -296,14 +303,14 @@ class Ingress:
         if doc is None:
             return
         try:
-            # An `slo` section fills in the level triggers it implies for this engine's batch.
-            config = derive_policy(parse_policy(doc), self.model_slots)
+            # validated here too, so a bad one is reported by the replica that was given it;
+            # an `slo` section gets the level triggers it implies for this engine's batch
+            derive_policy(parse_policy(doc), self.model_slots)
         except PolicyError as err:
             self.last_policy_error = str(err)
             logger.error("brownout: rejected policy from user_config, running policy kept: %s", err)
             return
-        self._apply_policy(config)
-        result = await self.policy.call("update_config", config.model_dump(mode="json", exclude_none=True))
+        result = await self.policy.call("update_config", doc, self.model_slots)
         self.last_policy_error = None if result.get("ok") else result.get("error")
         logger.info("brownout: policy from user_config: %s", result)
 

@@ -111,3 +111,26 @@ def test_restart_restores_config_pin_and_feature_overrides() -> None:
 def test_corrupt_snapshot_starts_from_given_config() -> None:
     c = PolicyCore(parse_policy(POLICY), clock=FakeClock(), restore=lambda: b"{not json")
     assert c.view().level == 0 and c.config == parse_policy(POLICY)
+
+
+def test_slo_policy_gets_derived_triggers_for_the_batch_and_survives_a_restart() -> None:
+    """The ingress sends the engine's batch with the policy; later callers (an operator, a
+    benchmark) may leave it out: the remembered batch is used, also after a restart."""
+    clock, store = FakeClock(), {}
+    c = core(clock, store)
+    doc = {**POLICY, "slo": {"e2e_p99_ms": 2000}}
+    assert c.update_config(doc, batch_slots=16)["changed"]
+    # the document names queue_length itself; the rest is derived (model_queued at 4, 8, 12)
+    assert c.config.level1.trigger["queue_length"] == 4 and c.config.level1.trigger["model_queued"] == 4
+    assert c.config.level3.trigger["predicted_e2e_ms"] == 1600
+    version = c.config_version
+    assert c.update_config(doc) == {"ok": True, "changed": False, "config_version": version}
+    restarted = core(clock, store)
+    assert restarted.batch_slots == 16 and restarted.config == c.config
+    assert restarted.update_config(doc)["changed"] is False
+
+
+def test_slo_policy_without_a_known_batch_is_kept_as_written() -> None:
+    c = core(FakeClock())
+    c.update_config({**POLICY, "slo": {"e2e_p99_ms": 2000}})
+    assert "model_queued" not in c.config.level1.trigger
