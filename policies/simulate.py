@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TextIO
 
 from policies.config import SIGNALS, DegradationConfig, PolicyError, default_policy, load_policy
+from policies.slo import derive_policy
 from policies.controller import ControllerState, Reason, Transition, decide, naive_level
 from policies.features import Level
 from policies.signals import Signals
@@ -195,9 +196,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="also replay a baseline: the naive manager, or Brownout without flap damping")
     ap.add_argument("--plot", type=Path, default=None, help="write a PNG of signals and levels")
     ap.add_argument("--json", action="store_true", help="print one JSON summary instead of text")
+    ap.add_argument("--max-num-seqs", type=int, default=16,
+                    help="the engine's batch size a policy with an slo section derives its triggers for "
+                    "(as the policy actor does; serve_config.yaml's model.max_num_seqs)")
     args = ap.parse_args(argv)
     try:
         config = load_policy(args.config) if args.config else default_policy()
+        config = derive_policy(config, args.max_num_seqs)
         samples = read_trace(args.trace.read_text(encoding="utf-8").splitlines(), args.trace.name)
     except (PolicyError, ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from policies.config import DEFAULT_RECOVER_RATIO, PolicyError, load_policy, parse_policy
 from policies.features import ALIASES, REGISTRY
@@ -236,10 +237,14 @@ def test_derived_queue_triggers_are_reachable_and_ascend(max_num_seqs: int, max_
     assert present == sorted(set(present))
 
 
+# The default policy before it was derived from an SLO: hand-written thresholds, which still work.
+HAND_WRITTEN = yaml.safe_load((ROOT / "configs" / "hand_written.yaml").read_text())
+
+
 def test_explicit_thresholds_win_and_the_reference_json_is_untouched() -> None:
     from policies.slo import derive_policy
 
-    doc = load_policy(ROOT / "configs" / "degradation.yaml").model_dump(mode="json", exclude_none=True)
+    doc = parse_policy(HAND_WRITTEN).model_dump(mode="json", exclude_none=True)
     doc["slo"] = {"e2e_p99_ms": 2000}
     cfg = derive_policy(parse_policy(doc), max_num_seqs=16)
     # queue_length is named by the document: its values stand at every level
@@ -274,7 +279,7 @@ def test_derived_policy_reaches_level_3_on_the_queue_the_caps_allow() -> None:
         state, _ = decide(cfg, state, Signals(at=t, values={"queue_length": waiting}), float(t))
         levels.append(int(state.level))
     assert levels == [0, 0, 1, 2, 3, 3, 3]
-    old = load_policy(ROOT / "configs" / "degradation.yaml")
+    old = parse_policy(HAND_WRITTEN)  # the previous default policy
     assert old.trigger_thresholds(3)["queue_length"] > 16  # why this was needed
 
 

@@ -6,10 +6,18 @@ from pathlib import Path
 
 import pytest
 
-from policies.config import default_policy
+from policies.config import default_policy, load_policy
+from policies.slo import derive_policy
 from policies.simulate import main, read_trace, replay, replay_naive
 
-TRACES = Path(__file__).resolve().parents[2] / "configs" / "traces"
+ROOT = Path(__file__).resolve().parents[2]
+TRACES = ROOT / "configs" / "traces"
+
+
+
+def default_policy_for_16():  # type: ignore[no-untyped-def]
+    """The default policy as the actor runs it for the default engine (batch of 16)."""
+    return derive_policy(default_policy(), 16)
 
 
 def load(name: str):  # type: ignore[no-untyped-def]
@@ -17,7 +25,7 @@ def load(name: str):  # type: ignore[no-untyped-def]
 
 
 def test_oscillating_trace_flaps_naive_not_brownout() -> None:
-    cfg = default_policy()
+    cfg = default_policy_for_16()
     samples = load("oscillating.jsonl")
     ours, naive = replay(cfg, samples), replay_naive(cfg, samples)
     assert naive.changes >= 10, "the trace must actually oscillate across the level-1 trigger"
@@ -25,7 +33,7 @@ def test_oscillating_trace_flaps_naive_not_brownout() -> None:
 
 
 def test_flash_crowd_escalates_within_escalate_after_plus_one_sample() -> None:
-    cfg = default_policy()
+    cfg = default_policy_for_16()
     samples = load("flash_crowd.jsonl")
     trig = cfg.trigger_thresholds(1)
     first_over = next(s.t for s in samples if any(s.values.get(k, -1) >= v for k, v in trig.items()))
@@ -36,7 +44,7 @@ def test_flash_crowd_escalates_within_escalate_after_plus_one_sample() -> None:
 
 
 def test_flash_crowd_recovers_stepwise() -> None:
-    run = replay(default_policy(), load("flash_crowd.jsonl"))
+    run = replay(default_policy_for_16(), load("flash_crowd.jsonl"))
     downs = [(tr["from"], tr["to"]) for tr in run.transitions if tr["to"] < tr["from"]]
     assert downs == [(3, 2), (2, 1), (1, 0)]
 
@@ -83,7 +91,7 @@ def test_periodic_bursts_flap_damping_cuts_level_changes() -> None:
     """Bursts every 50 s with 40 s gaps (> the 30 s dwell): undamped steps down and up per burst."""
     from policies.simulate import replay_undamped
 
-    cfg = default_policy()
+    cfg = load_policy(ROOT / "configs" / "hand_written.yaml")
     samples = load("periodic_bursts.jsonl")
     ours, undamped, naive = replay(cfg, samples), replay_undamped(cfg, samples), replay_naive(cfg, samples)
     assert undamped.changes >= 18 and naive.changes >= 18, "the trace must make hysteresis alone flap"
@@ -96,5 +104,6 @@ def test_periodic_bursts_flap_damping_cuts_level_changes() -> None:
 
 
 def test_cli_undamped_baseline(capsys: pytest.CaptureFixture) -> None:
-    assert main([str(TRACES / "periodic_bursts.jsonl"), "--baseline", "undamped"]) == 0
+    assert main([str(TRACES / "periodic_bursts.jsonl"), "--baseline", "undamped",
+                 "--config", str(ROOT / "configs" / "hand_written.yaml")]) == 0
     assert "level changes: brownout 4 vs undamped 20" in capsys.readouterr().out
