@@ -177,6 +177,14 @@ class RateEstimator:
         self._count = 0
         self._busy = True
 
+    def cap_to(self, rate_per_s: float) -> bool:
+        """Lower the estimate to ``rate_per_s`` if it is above it (a completion proved it
+        optimistic); True if it changed."""
+        if rate_per_s <= 0 or rate_per_s >= self.rate_per_s:
+            return False
+        self.rate_per_s = rate_per_s
+        return True
+
     def observe(self, now: float, in_flight: int, busy_at: int) -> bool:
         """One completion at ``now``; ``in_flight`` still unfinished after it. True: rate updated."""
         busy = in_flight + 1 >= busy_at
@@ -274,12 +282,23 @@ class AdmissionController:
 
     # -- feedback ----------------------------------------------------------------------------
 
-    def observe_completion(self, now: float, in_flight: int) -> None:
+    def observe_completion(self, now: float, in_flight: int, latency_s: float | None = None,
+                           ahead_at_admission: int | None = None) -> None:
         """A request finished at ``now``; ``in_flight`` admitted requests are still unfinished.
 
         Feed completions of requests the model served only: an abort, an error or a
         semantic-cache answer says nothing about the model's capacity.
+
+        ``latency_s`` (admission to completion) and ``ahead_at_admission`` (the ``ahead`` it was
+        admitted with) are the request's own evidence. A request that took longer than the
+        budget proves the rate too optimistic: it was served at ``(ahead + 1) / latency_s`` at
+        best, and the estimate drops to that at once instead of waiting for windows to close
+        (a wrong prior, or a machine far slower than assumed, would otherwise keep admitting
+        work that cannot finish in time for as long as the first completions take).
         """
+        if (latency_s is not None and ahead_at_admission is not None and latency_s > self.budget_s
+                and self.estimator.cap_to((ahead_at_admission + 1) / latency_s)):
+            self._recompute()
         # Busy: the batch is full, or the admission limit of the least important class is
         # reached. Not critical's: with no critical traffic nothing would fill it, the estimate
         # could then only rise, and a capacity drop (a lower level, a slower replica) would go

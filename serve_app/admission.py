@@ -47,6 +47,8 @@ class Ticket:
 
     criticality: Criticality
     deadline_at: float | None  # wall-clock seconds; None when admission is off
+    admitted_at: float = 0.0
+    ahead: int = 0  # requests admitted and unfinished when this one was admitted
     released: bool = False
 
     @property
@@ -92,15 +94,15 @@ class AdmissionGate:
             criticality = classify(base or self.default_class, criticality_header)
         except ValueError as err:
             raise RequestError(400, str(err), CRITICALITY_HEADER) from None
-        deadline_at = None
+        deadline_at, now, ahead = None, self._clock(), self.in_flight
         if self.controller is not None:
-            decision = self.controller.decide(criticality, self.in_flight, self._clock())
+            decision = self.controller.decide(criticality, ahead, now)
             if not decision.admitted:
                 raise self._refusal(decision)
             deadline_at = decision.deadline_at
         self.in_flight += 1
         self.admitted[criticality.value] += 1
-        return Ticket(criticality, deadline_at)
+        return Ticket(criticality, deadline_at, now, ahead)
 
     def release(self, ticket: Ticket, served: bool) -> None:
         """The request is over. ``served``: the model computed its answer to the end (only
@@ -110,7 +112,8 @@ class AdmissionGate:
         ticket.released = True
         self.in_flight -= 1
         if served and self.controller is not None:
-            self.controller.observe_completion(self._clock(), self.in_flight)
+            now = self._clock()
+            self.controller.observe_completion(now, self.in_flight, now - ticket.admitted_at, ticket.ahead)
 
     def _refusal(self, d: Decision) -> RequestError:
         reason, klass = d.reason, d.criticality.value

@@ -346,3 +346,16 @@ def test_light_load_below_every_cap_does_not_lower_the_rate() -> None:
         t += 0.5
         ctl.observe_completion(t, in_flight=3)
     assert ctl.rate_per_s == 10
+
+
+@pytest.mark.parametrize(("latency_s", "ahead", "rate_after"), [
+    (1.5, 9, 10.0),   # within the 2 s budget: no evidence against the rate
+    (4.0, 9, 2.5),    # 10 requests (9 ahead + itself) in 4 s: 2.5/s at best
+    (20.0, 23, 1.2),  # a machine far slower than the prior: one completion corrects it
+    (4.0, 99, 10.0),  # slow, but with 100 in front it was served faster than the estimate
+])
+def test_a_completion_past_the_budget_caps_the_rate_at_once(latency_s: float, ahead: int, rate_after: float) -> None:
+    ctl = controller()  # 10/s prior, 2 s budget
+    ctl.observe_completion(100.0, in_flight=0, latency_s=latency_s, ahead_at_admission=ahead)
+    assert ctl.rate_per_s == pytest.approx(rate_after)
+    assert ctl.max_admitted(C) == max(1, int(rate_after * 2.0 + 1e-9))
