@@ -69,7 +69,10 @@ class AdmissionGate:
         self.max_num_seqs = max_num_seqs
         self._clock = clock
         self._on_refusal = on_refusal or (lambda criticality, reason: None)
+        # Kept while admission is switched off (admission.enabled: false), so that it goes on
+        # measuring the service rate and predicting latency, and is warm when switched back on.
         self.controller: AdmissionController | None = None
+        self.enabled = False
         self.default_class = Criticality.STANDARD
         self.in_flight = 0
         self.admitted: Counter[str] = Counter()
@@ -81,12 +84,13 @@ class AdmissionGate:
         slo = policy.slo
         self.default_class = Criticality(slo.default_class) if slo is not None else Criticality.STANDARD
         settings = policy.admission or AdmissionConfig()
-        if slo is None or not settings.enabled:
+        if slo is None:
             self.controller = None
         elif self.controller is None:
-            self.controller = AdmissionController.from_config(policy, self.max_num_seqs)
+            self.controller = AdmissionController(slo, settings, self.max_num_seqs)
         else:
             self.controller.update(slo, settings)
+        self.enabled = self.controller is not None and settings.enabled
 
     def admit(self, criticality_header: str | None, base: Criticality | None = None) -> Ticket:
         """Admit the request or raise the `RequestError` that refuses it (400 for a bad header)."""
@@ -95,7 +99,7 @@ class AdmissionGate:
         except ValueError as err:
             raise RequestError(400, str(err), CRITICALITY_HEADER) from None
         deadline_at, now, ahead = None, self._clock(), self.in_flight
-        if self.controller is not None:
+        if self.controller is not None and self.enabled:
             decision = self.controller.decide(criticality, ahead, now)
             if not decision.admitted:
                 raise self._refusal(decision)
@@ -146,7 +150,7 @@ class AdmissionGate:
         """For ``/admin/brownout``: the caps per class, the measured rate, the counters."""
         ctl = self.controller
         return {
-            "enabled": ctl is not None,
+            "enabled": self.enabled,
             "in_flight": self.in_flight,
             "default_class": self.default_class.value,
             "rate_per_s": None if ctl is None else round(ctl.rate_per_s, 3),
