@@ -217,7 +217,12 @@ class AdmissionController:
         self._recompute()
 
     def update(self, slo: SloConfig, settings: AdmissionConfig, slots: int | None = None) -> None:
-        """Apply a reloaded policy, keeping the measured rate (a prior only seeds a new one)."""
+        """Apply a reloaded policy, keeping the measured rate (a prior only seeds a new one),
+        unless the policy sets a new ``prior_rate_per_s``: an operator's explicit rate restarts
+        the estimate from it."""
+        new_prior = settings.prior_rate_per_s
+        if new_prior is not None and new_prior != self.settings.prior_rate_per_s:
+            self.estimator = RateEstimator(new_prior, settings.rate_window_s, settings.rate_alpha)
         self._configure(slo, settings, self.slots if slots is None else slots)
         self.estimator.window_s = settings.rate_window_s
         self.estimator.alpha = settings.rate_alpha

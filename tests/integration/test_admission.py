@@ -1,7 +1,8 @@
 """Deadline-aware admission and level-driven shaping, for real: a real cluster, vLLM, `serve deploy`.
 
-The policy deployed here has an ``slo`` section with a fixed cold-start service rate and a rate
-window longer than the test, so the admission caps are known in advance: with 4 completions/s
+The policy deployed here has an ``slo`` section with an explicit service rate (a new
+``prior_rate_per_s`` restarts the estimate) and a rate window longer than the test, so the
+admission caps are known in advance: with 4 completions/s
 and a 1.9 s budget (2 s SLO less 100 ms overhead), critical is admitted below 7 requests in
 flight, standard below 6, sheddable below 4. Long requests (``ignore_eos``) hold the slots while
 the test knocks at the door. The original policy is restored at the end.

@@ -359,3 +359,12 @@ def test_a_completion_past_the_budget_caps_the_rate_at_once(latency_s: float, ah
     ctl.observe_completion(100.0, in_flight=0, latency_s=latency_s, ahead_at_admission=ahead)
     assert ctl.rate_per_s == pytest.approx(rate_after)
     assert ctl.max_admitted(C) == max(1, int(rate_after * 2.0 + 1e-9))
+
+
+def test_update_with_a_new_explicit_prior_restarts_the_estimate() -> None:
+    ctl = controller()
+    ctl.observe_completion(1.0, in_flight=0, latency_s=10.0, ahead_at_admission=0)  # 0.1/s
+    ctl.update(SLO, SETTINGS)  # same prior: the measured rate stays
+    assert ctl.rate_per_s == pytest.approx(0.1)
+    ctl.update(SLO, SETTINGS.model_copy(update={"prior_rate_per_s": 4.0}))
+    assert ctl.rate_per_s == 4.0 and ctl.max_admitted(C) == 8
