@@ -26,7 +26,7 @@ from deployments.window import SlidingWindow
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
-__all__ = ["SAMPLING_KEYS", "Delta", "EngineSettings", "EngineStats", "LLMEngine"]
+__all__ = ["SAMPLING_KEYS", "Delta", "EngineSettings", "EngineStats", "LLMEngine", "cpu_dtype"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,9 @@ class EngineSettings(BaseModel):
         ),
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        default="auto", description="Weight and activation dtype; 'auto' follows the model."
+        default="auto",
+        description="Weight and activation dtype; 'auto' follows the model, except on a CPU "
+        "without native bfloat16 (see `cpu_dtype`), where it is float32.",
     )
     seed: int = Field(default=0, ge=0, description="Sampling seed of the engine.")
     max_num_batched_tokens: int | None = Field(
@@ -90,6 +92,32 @@ class EngineSettings(BaseModel):
                 f"max_num_seqs={self.max_num_seqs}: a full batch could not take one decode step"
             )
         return self
+
+
+def cpu_dtype(requested: str, cpu_flags: frozenset[str]) -> str:
+    """The dtype to run on a CPU with ``cpu_flags`` (``/proc/cpuinfo``'s flags).
+
+    ``auto`` follows the model (bfloat16 for the embedded one) only where the CPU computes
+    bfloat16 natively (``avx512_bf16`` or ``amx_bf16``). Elsewhere oneDNN cannot build a bf16
+    matmul, vLLM falls back to emulated bf16 in torch, and the engine is slow and does not gain
+    from batching: measured on a 2-core AVX2 machine, 0.54 req/s for 16 concurrent 16-token
+    requests in bfloat16 against 2.2 req/s for 8 in float32 (one request alone: 2.25 s against
+    1.18 s). An explicit dtype is always kept.
+    """
+    if requested != "auto" or cpu_flags & {"avx512_bf16", "amx_bf16"}:
+        return requested
+    return "float32"
+
+
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
 
 
 @dataclass(frozen=True)
@@ -241,7 +269,7 @@ class LLMEngine:
             max_num_seqs=s.max_num_seqs,
             max_model_len=s.max_model_len,
             enforce_eager=s.enforce_eager,
-            dtype=s.dtype,
+            dtype=self.dtype(),
             seed=s.seed,
             max_num_batched_tokens=s.max_num_batched_tokens,
             scheduling_policy=s.scheduling_policy,
@@ -378,6 +406,14 @@ class LLMEngine:
             await engine.abort(request_id)
         except Exception:  # noqa: BLE001 - the request is gone either way; keep the caller's error
             logger.warning("abort of request %s failed", request_id, exc_info=True)
+
+    def dtype(self) -> str:
+        """The dtype handed to vLLM: the setting, with ``auto`` resolved for CPUs (`cpu_dtype`)."""
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return self.settings.dtype
+        return cpu_dtype(self.settings.dtype, _cpu_flags())
 
     def _export_env(self) -> None:
         wanted = str(self.settings.kv_cache_space_gib)
