@@ -124,6 +124,13 @@ REGISTRY: dict[str, FeatureSpec] = {spec.name: spec for spec in _SPECS}
 # cache (the reference design's level-1 "semantic_cache"); "debug_log" is the reference design's
 # name for debug capture. "all_non_critical" expands at validation time to every optional feature.
 ALL_NON_CRITICAL = "all_non_critical"
+# What each level turns off in a policy that does not say (the reference design's grouping:
+# the least harmful cuts, then auxiliary computation, then everything optional).
+DEFAULT_DISABLE: tuple[tuple[str, ...], ...] = (
+    ("semantic_cache_write", "debug_capture", "light_metrics"),
+    ("personalization", "ab_test", "feature_stats"),
+    (ALL_NON_CRITICAL,),
+)
 ALIASES: Mapping[str, tuple[str, ...]] = {
     "semantic_cache": ("semantic_cache_lookup", "semantic_cache_write"),
     "debug_log": ("debug_capture",),

@@ -48,16 +48,12 @@ from typing import Any
 from pydantic import ValidationError
 
 from policies.config import LEVEL_KEYS, DegradationConfig, PolicyError, SloConfig, _format
+from policies.features import DEFAULT_DISABLE
 
 QUEUE_FRACTIONS = (0.25, 0.5, 0.75)  # of the waiting room, per level
 PREDICTED_FRACTIONS = (0.5, 0.65, 0.8)  # of e2e_p99_ms, per level
 QUEUE_RECOVER_RATIO = 0.25
 PREDICTED_RECOVER_RATIO = 0.6
-DEFAULT_DISABLE = (
-    ["semantic_cache_write", "debug_capture", "light_metrics"],
-    ["personalization", "ab_test", "feature_stats"],
-    ["all_non_critical"],
-)
 DEFAULT_DWELL_S = 30.0
 DEFAULT_COOLDOWN_S = 15.0
 
