@@ -23,21 +23,9 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from bench.loadgen import CLASSES, CONN_ERROR, CUT_OFF, RequestRecord, RunResult
+from deployments.window import percentile  # the project's one percentile (numpy's linear rule)
 
 SHED_STATUSES = (429, 503)
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The ``q``-th percentile (0-100) by linear interpolation between closest ranks; None if empty."""
-    if not values:
-        return None
-    xs = sorted(values)
-    if len(xs) == 1:
-        return float(xs[0])
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return float(xs[lo] + (xs[hi] - xs[lo]) * (pos - lo))
 
 
 def status_key(rec: RequestRecord) -> str:

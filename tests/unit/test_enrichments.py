@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import ast
 import asyncio
 import hashlib
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -23,18 +21,11 @@ from deployments.enrichments.personalization import Personalization
 from deployments.enrichments.semantic_cache import SemanticCache, normalise_key
 from deployments.enrichments.telemetry import LightMetrics, Telemetry
 from policies.features import REGISTRY, Stage
+from tests.fakes.clock import FakeClock
 
 
 def run(coro: Any) -> Any:
     return asyncio.run(coro)
-
-
-class FakeClock:
-    def __init__(self, now: float = 1_000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class BagOfWords:
@@ -528,11 +519,3 @@ def test_build_rejects_bad_config(kind: str, settings: dict[str, Any], match: st
         registry.build(kind, settings)
 
 
-def test_enrichment_modules_import_no_ray() -> None:
-    for path in Path(registry.__file__).parent.glob("*.py"):
-        if path.name == "host.py":  # the Serve adapter is the one place Ray belongs
-            continue
-        tree = ast.parse(path.read_text())
-        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-        names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-        assert not any(re.match(r"ray(\.|$)", n) for n in names), path.name

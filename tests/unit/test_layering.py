@@ -45,3 +45,11 @@ def test_policy_core_loads_none_of_them_at_runtime() -> None:
 def test_deployments_never_import_serve_app() -> None:
     for path in (ROOT / "deployments").rglob("*.py"):
         assert "serve_app" not in imported_roots(path), path.name
+
+
+def test_enrichment_modules_import_no_ray() -> None:
+    """Features are plain logic; the Serve adapter (host.py) is the one place Ray belongs."""
+    files = [p for p in (ROOT / "deployments" / "enrichments").glob("*.py") if p.name != "host.py"]
+    assert len(files) >= 5
+    for path in files:
+        assert "ray" not in imported_roots(path), path.name
