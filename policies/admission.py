@@ -63,7 +63,7 @@ Wiring (the ingress)::
     # on reconfigure(): admission.update(policy.slo, policy.admission or AdmissionConfig())
     # the model deployment, before the engine starts a request:
     if should_drop(d.deadline_at, time.time()): ...            # abort, answer 503
-    # every report tick: admission.signals(in_flight) -> predicted_e2e_ms, model_queued
+    # every report tick: admission.signals(in_flight) -> predicted_wait_ms, model_queued
 """
 
 from __future__ import annotations
@@ -335,9 +335,16 @@ class AdmissionController:
         return self.overhead_s + (ahead + 1) / self.estimator.rate_per_s
 
     def signals(self, in_flight: int) -> dict[str, float]:
-        """This replica's early signals for the policy actor (names from policies.config.SIGNALS)."""
+        """This replica's early signals for the policy actor (names from policies.config.SIGNALS).
+
+        ``predicted_wait_ms``: how long the work admitted and unfinished takes to drain at the
+        measured rate, i.e. the queueing delay a request arriving now would see. It is 0 when
+        nothing is in flight, so a level raised on it can always recover when the load is gone
+        (a prediction that included the request's own service time would stay at the unloaded
+        latency, above the recover threshold wherever that latency is a large part of the SLO).
+        """
         return {
-            "predicted_e2e_ms": round(self.predicted_e2e_s(in_flight) * 1000.0, 1),
+            "predicted_wait_ms": round(in_flight / self.estimator.rate_per_s * 1000.0, 1),
             "model_queued": float(max(0, in_flight - self.slots)),
         }
 

@@ -69,8 +69,8 @@ SIGNAL_AGGREGATION: Mapping[str, Literal["sum", "max"]] = {
     # Early signals of the SLO-derived policy (`derive_policy`); both rise before latency is lost.
     "model_queued": "sum",  # requests admitted and waiting for the model's batch wherever they
     #                         wait, as each ingress counts its own
-    "predicted_e2e_ms": "max",  # the ingress admission controller's predicted end-to-end latency
-    #                             of the next request: overhead + (in flight + 1) / measured rate
+    "predicted_wait_ms": "max",  # the ingress admission controller's predicted queueing delay:
+    #                              requests admitted and unfinished / measured rate
 }
 SIGNALS: tuple[str, ...] = tuple(SIGNAL_AGGREGATION)
 

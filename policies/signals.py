@@ -7,7 +7,7 @@ it took them. The aggregator keeps the latest report per source and folds the fr
 - ``sum`` for queue-like counts (``queue_length``, ``inflight``, ``model_queued``): work waiting
   anywhere in the cluster is work the cluster must do; replicas each see only their own share.
 - ``max`` for utilisation and latency (``gpu_util``, ``gpu_mem_ratio``, ``kv_cache_usage``,
-  ``avg_latency_ms``, ``p95_latency_ms``, ``ttft_p95_ms``, ``predicted_e2e_ms``): requests routed
+  ``avg_latency_ms``, ``p95_latency_ms``, ``ttft_p95_ms``, ``predicted_wait_ms``): requests routed
   to the hottest replica wait behind it, so the worst replica is the one that breaks the SLO. A
   mean would hide one saturated GPU among idle ones; a max across replicas' p95s over-states the cluster p95 only
   when replicas differ, which is exactly when shedding is warranted.

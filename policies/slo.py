@@ -8,23 +8,24 @@ The rule, and why:
 
 - **Rise on early signals, before latency is lost.** Latency percentiles move only after many
   requests have already been slow; the queue in front of the model and the admission
-  controller's predicted end-to-end time (`policies.admission`) move as soon as work piles up.
+  controller's predicted queueing delay (`policies.admission`) move as soon as work piles up.
   So every level triggers on those first and on latency only as a backstop:
 
   ========  ==============================  ==========================  ======================
-  level     requests waiting for the model  ``predicted_e2e_ms``        backstop
+  level     requests waiting for the model  ``predicted_wait_ms``       backstop
             (``model_queued``,
             ``queue_length``)
   ========  ==============================  ==========================  ======================
-  1         >= 1/4 of the waiting room      >= 50% of ``e2e_p99_ms``    kv_cache_usage 0.80
-  2         >= 1/2                          >= 65%                      kv 0.90, p95 >= 90% SLO
-  3         >= 3/4                          >= 80%                      p95 >= SLO, ttft_p95 >=
+  1         >= 1/4 of the waiting room      >= 30% of ``e2e_p99_ms``    kv_cache_usage 0.80
+  2         >= 1/2                          >= 50%                      kv 0.90, p95 >= 90% SLO
+  3         >= 3/4                          >= 70%                      p95 >= SLO, ttft_p95 >=
                                                                         ``ttft_p99_ms``
   ========  ==============================  ==========================  ======================
 
-  With the default class shares, sheddable work is refused once the prediction passes about
-  62% of a 2 s SLO and standard work about 81%: level 1 comes before any refusal, level 2 once
-  sheddable work is being refused, level 3 as standard work starts to be.
+  With the default class shares, sheddable work is refused once the predicted wait passes
+  about 57% of a 2 s SLO (0.6 of the 1.9 s budget) and standard work about 76%: level 1 comes
+  well before any refusal, level 2 before sheddable work is refused, level 3 before standard
+  work is. The wait is 0 when nothing is in flight, so every level can recover when load is gone.
 - **Reachable by construction.** The waiting room is ``max_waiting`` requests (default
   ``max_num_seqs``: the model deployment admits twice its batch, so at most one batch waits in
   vLLM); a queue threshold above it could never fire (the old level 3's ``queue_length: 48``
@@ -51,7 +52,7 @@ from policies.config import LEVEL_KEYS, DegradationConfig, PolicyError, SloConfi
 from policies.features import DEFAULT_DISABLE
 
 QUEUE_FRACTIONS = (0.25, 0.5, 0.75)  # of the waiting room, per level
-PREDICTED_FRACTIONS = (0.5, 0.65, 0.8)  # of e2e_p99_ms, per level
+PREDICTED_FRACTIONS = (0.3, 0.5, 0.7)  # of e2e_p99_ms, per level
 QUEUE_RECOVER_RATIO = 0.25
 PREDICTED_RECOVER_RATIO = 0.6
 DEFAULT_DWELL_S = 30.0
@@ -96,8 +97,8 @@ def derived_levels(
                 trigger[name] = float(q)
                 recover[name] = q * QUEUE_RECOVER_RATIO
         predicted = round(PREDICTED_FRACTIONS[i] * e2e, 1)
-        trigger["predicted_e2e_ms"] = predicted
-        recover["predicted_e2e_ms"] = round(predicted * PREDICTED_RECOVER_RATIO, 1)
+        trigger["predicted_wait_ms"] = predicted
+        recover["predicted_wait_ms"] = round(predicted * PREDICTED_RECOVER_RATIO, 1)
         if i == 0:
             trigger["kv_cache_usage"] = 0.80
         elif i == 1:

@@ -208,8 +208,8 @@ def test_measured_rate_moves_the_caps() -> None:
 
 def test_signals_for_the_policy_actor() -> None:
     ctl = controller(slots=8)
-    assert ctl.signals(0) == {"predicted_e2e_ms": 200.0, "model_queued": 0.0}
-    assert ctl.signals(12) == {"predicted_e2e_ms": 1400.0, "model_queued": 4.0}
+    assert ctl.signals(0) == {"predicted_wait_ms": 0.0, "model_queued": 0.0}  # idle: levels can recover
+    assert ctl.signals(12) == {"predicted_wait_ms": 1200.0, "model_queued": 4.0}
 
 
 # -- construction from the policy ----------------------------------------------------------------

@@ -107,6 +107,6 @@ def test_reload_keeps_the_gate_and_can_turn_admission_off() -> None:
     # switched off: everything is admitted, but the controller stays warm (same rate, signals)
     assert g.controller is ctl and g.state()["enabled"] is False
     tickets = [g.admit(None) for _ in range(100)]
-    assert all(t.deadline_at is None for t in tickets) and g.signals()["predicted_e2e_ms"] > 0
+    assert all(t.deadline_at is None for t in tickets) and g.signals()["predicted_wait_ms"] > 0
     g.configure(parse_policy({"level1": LEVEL}))  # no slo at all: no controller
     assert g.controller is None and g.signals() == {}

@@ -122,7 +122,7 @@ def test_slo_policy_gets_derived_triggers_for_the_batch_and_survives_a_restart()
     assert c.update_config(doc, batch_slots=16)["changed"]
     # the document names queue_length itself; the rest is derived (model_queued at 4, 8, 12)
     assert c.config.level1.trigger["queue_length"] == 4 and c.config.level1.trigger["model_queued"] == 4
-    assert c.config.level3.trigger["predicted_e2e_ms"] == 1600
+    assert c.config.level3.trigger["predicted_wait_ms"] == 1400
     version = c.config_version
     assert c.update_config(doc) == {"ok": True, "changed": False, "config_version": version}
     restarted = core(clock, store)
