@@ -93,7 +93,7 @@ def _chat(**over):  # type: ignore[no-untyped-def]
         (_chat(messages=[]), 400, "messages", r"messages: .*at least 1 item"),
         (_chat(messages=[{"role": "wizard", "content": "x"}]), 400, "messages.0.role", r"messages\.0\.role"),
         (_chat(n=3), 400, "n", r"only n=1 is supported, got 3"),
-        (_chat(logprobs=True), 400, "logprobs", r"logprobs: unknown or unsupported field"),
+        (_chat(logprobs=True), 400, "logprobs", r"logprobs: not supported by this server: only false is accepted"),
         ({"messages": [{"role": "user", "content": "x"}]}, 400, "model", r"model: field required"),
         (_chat(messages=[{"role": "user", "content": "word " * 7000}]), 400, "messages",
          r"messages is 35000 characters; the limit is 32000"),
