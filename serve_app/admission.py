@@ -77,7 +77,6 @@ class AdmissionGate:
         self.in_flight = 0
         self.admitted: Counter[str] = Counter()
         self.refused: Counter[tuple[str, str]] = Counter()
-        self.dropped_late = 0
 
     def configure(self, policy: DegradationConfig) -> None:
         """Apply a (re)loaded policy; a measured service rate is kept across reloads."""
@@ -157,5 +156,4 @@ class AdmissionGate:
             "max_admitted": None if ctl is None else {c.value: ctl.max_admitted(c) for c in Criticality},
             "admitted": dict(self.admitted),
             "refused": {f"{c}:{r}": n for (c, r), n in sorted(self.refused.items())},
-            "dropped_late": self.dropped_late,
         }
