@@ -272,7 +272,7 @@ class AdmissionController:
         rank = _RANK[criticality]
         cap = self._caps[rank]
         rate = self.estimator.rate_per_s
-        predicted = self.overhead_s + (ahead + 1) / rate
+        predicted = self.predicted_e2e_s(ahead)
         if ahead < cap:
             return Decision(True, criticality, "admitted", 200, predicted, cap,
                             deadline_at=now + self.e2e_s)
