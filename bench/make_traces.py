@@ -56,9 +56,9 @@ def periodic_bursts() -> list[dict[str, float]]:
     rows = []
     for t in range(0, 700):
         # ten bursts at t = 0, 50, ..., 450, each 10 s: the queue passes the level-1 trigger (4)
-        # but not level 2 (16); between them, and for 250 s after the last, it is below recover (1)
+        # but not level 2 (8); between them, and for 250 s after the last, it is below recover (1)
         in_burst = t < 500 and t % 50 < 10
-        q = rng.uniform(6, 10) if in_burst else rng.uniform(0, 0.8)
+        q = rng.uniform(5, 7.5) if in_burst else rng.uniform(0, 0.8)
         rows.append({"t": float(t), "queue_length": round(q, 2),
                      "p95_latency_ms": round(600 + 150 * q + rng.uniform(-50, 50), 1)})
     return rows

@@ -46,16 +46,21 @@ MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
 class EngineSettings(BaseModel):
-    """What ``LLMEngine`` passes to vLLM's ``AsyncEngineArgs``; rejects unknown keys."""
+    """What ``LLMEngine`` passes to vLLM's ``AsyncEngineArgs``; rejects unknown keys.
+
+    The one home of the engine's options and their defaults: the builder's ``model:`` args
+    (`serve_app.app.ModelArgs`) are these fields plus where the model comes from and what the
+    API calls it.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str = Field(min_length=1, description="Local model folder or Hugging Face model id.")
     max_num_seqs: int = Field(
-        default=32, ge=1, description="Most sequences the scheduler runs in one batch."
+        default=16, ge=1, description="Most sequences the scheduler runs in one batch."
     )
     max_model_len: int = Field(
-        default=2048, ge=16, description="Most tokens (prompt + completion) per sequence."
+        default=1024, ge=16, description="Most tokens (prompt + completion) per sequence."
     )
     enforce_eager: bool = Field(
         default=True, description="Skip torch.compile / CUDA graphs: fast start, a bit slower."

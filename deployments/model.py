@@ -72,7 +72,7 @@ class VLLMModel:
 
     async def __init__(
         self,
-        engine_settings: Mapping[str, Any],
+        engine_settings: EngineSettings | Mapping[str, Any],
         served_model_name: str,
         max_prompt_tokens: int,
         engine: LLMEngine | None = None,
@@ -80,7 +80,9 @@ class VLLMModel:
         report_interval_s: float = 0.25,
         policy_link: ActorLink | None = None,
     ) -> None:
-        self.settings = EngineSettings.model_validate(dict(engine_settings))
+        # validated once by the builder (an `EngineSettings` is kept as it is); a dict here
+        self.settings = (engine_settings if isinstance(engine_settings, EngineSettings)
+                         else EngineSettings.model_validate(dict(engine_settings)))
         self.served_model_name = served_model_name
         self.max_prompt_tokens = max_prompt_tokens
         self.engine = engine or LLMEngine(self.settings)

@@ -112,11 +112,15 @@ class PolicyActor:
     async def clear_override(self, level: bool = False, feature: str | None = None) -> dict[str, Any]:
         return self.core.clear_override(level=level, feature=feature)
 
-    async def update_config(self, document: dict[str, Any], batch_slots: int | None = None) -> dict[str, Any]:
-        return self.core.update_config(document, batch_slots)
+    async def update_config(self, document: dict[str, Any], batch_slots: int | None = None,
+                            origin: str = "operator") -> dict[str, Any]:
+        """See `PolicyCore.update_config`: an operator's call always applies; a deployed
+        document (``origin="deploy"``) only when it changed since the last deploy."""
+        return self.core.update_config(document, batch_slots, origin)
 
     async def get_config(self) -> dict[str, Any]:
-        return {"config": self.core.config.model_dump(mode="json"), "config_version": self.core.config_version}
+        return {"config": self.core.config.model_dump(mode="json"), "config_version": self.core.config_version,
+                "origin": self.core.config_origin}
 
     async def history(self, n: int = 100) -> list[dict[str, Any]]:
         return self.core.history(n)

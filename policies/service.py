@@ -10,6 +10,7 @@ holds (fail-static).
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
 import logging
 import time
@@ -31,7 +32,7 @@ from policies.controller import (
 )
 from policies.features import FeatureOverride, Level, OffMode, PolicyView
 from policies.signals import Aggregator, Report, Signals
-from policies.slo import derive_policy
+from policies.slo import fit_policy
 
 logger = logging.getLogger("brownout.policy")
 
@@ -63,6 +64,10 @@ class PolicyCore:
         # The engine's batch size, as the ingress last said (`update_config`): a policy with an
         # `slo` section has its level triggers derived for it (`policies.slo`).
         self.batch_slots: int | None = None
+        # Which copy of the policy wins (`update_config`): the digest of the last deployed
+        # document, and where the running policy came from.
+        self.deployed_digest: str | None = None
+        self.config_origin = "default"
         self._persist = persist
         self._on_transition = on_transition
         if restore is not None:
@@ -76,6 +81,8 @@ class PolicyCore:
             "config": self.config.model_dump(mode="json"),
             "config_version": self.config_version,
             "batch_slots": self.batch_slots,
+            "deployed_digest": self.deployed_digest,
+            "config_origin": self.config_origin,
             "level": int(self.state.policy_level),
             "pin": None if pin is None else {"level": int(pin.level), "expires_at": pin.expires_at, "note": pin.note},
             "features": [{"feature": o.feature, "enabled": o.enabled, "expires_at": o.expires_at}
@@ -99,6 +106,8 @@ class PolicyCore:
             self.config = parse_policy(doc["config"])
             self.config_version = doc.get("config_version", 1)
             self.batch_slots = doc.get("batch_slots")
+            self.deployed_digest = doc.get("deployed_digest")
+            self.config_origin = doc.get("config_origin", "restored")
             pin = doc.get("pin")
             overrides = {f["feature"]: FeatureOverride(f["feature"], f["enabled"], f["expires_at"])
                          for f in doc.get("features", [])}
@@ -183,34 +192,59 @@ class PolicyCore:
         logger.warning(json.dumps({"event": "brownout_override_cleared", "at": now, "level": level, "feature": feature}))
         return {"ok": True, "state": self.get_state()}
 
-    def update_config(self, document: Mapping[str, Any], batch_slots: int | None = None) -> dict[str, Any]:
+    def update_config(self, document: Mapping[str, Any], batch_slots: int | None = None,
+                      origin: str = "operator") -> dict[str, Any]:
         """Validate and swap the policy. A rejected config leaves the running one in force.
 
         The actor holds the one policy every reader follows: the ingress replicas read the
         level from its view and, when its ``config_version`` moves, the policy itself (for
         admission and shaping). ``batch_slots``: the engine's batch size (the ingress sends it;
-        other callers may leave it out and the last one given is used): a policy with an
-        ``slo`` section gets the level triggers it does not write itself derived for it.
+        other callers may leave it out and the last one given is used): queue triggers are
+        checked against it and a policy with an ``slo`` section gets the level triggers it does
+        not write itself derived for it (`policies.slo.fit_policy`).
+
+        Which copy wins (``origin``): the last *change* wins. An operator's call
+        (``origin="operator"``, the default) always applies. A deployed document
+        (``origin="deploy"``: the ingress's ``reconfigure`` with the ``user_config`` of
+        ``serve deploy``) applies only when it differs from the last deployed document: Serve
+        calls ``reconfigure`` again on every replica start, scale-up or redeploy of unchanged
+        config, and that must not undo an operator's change. The last deployed document's
+        digest is persisted with the policy, so an actor restart changes none of this.
         """
+        if origin not in ("operator", "deploy"):
+            return {"ok": False, "error": f"origin: {origin!r} is not 'operator' or 'deploy'",
+                    "config_version": self.config_version}
         if batch_slots is not None:
             self.batch_slots = int(batch_slots)
+        digest = None
+        if origin == "deploy":
+            digest = hashlib.sha256(json.dumps([document, self.batch_slots], sort_keys=True,
+                                               default=str).encode()).hexdigest()
+            if digest == self.deployed_digest:
+                return {"ok": True, "changed": False, "config_version": self.config_version,
+                        "kept": "the running policy: this deployed document was applied before"}
         try:
             config = parse_policy(document)
-            if config.slo is not None and self.batch_slots is not None:
-                config = derive_policy(config, self.batch_slots)
+            if self.batch_slots is not None:
+                config = fit_policy(config, self.batch_slots)
         except PolicyError as err:
             self.last_config_error = str(err)
-            logger.error(json.dumps({"event": "brownout_config_rejected", "error": str(err)}))
+            logger.error(json.dumps({"event": "brownout_config_rejected", "origin": origin, "error": str(err)}))
             return {"ok": False, "error": str(err), "config_version": self.config_version}
         self.last_config_error = None
+        if digest is not None:
+            self.deployed_digest = digest
         if config == self.config:
+            self._save()
             return {"ok": True, "changed": False, "config_version": self.config_version}
         self.config = config
         self.config_version += 1
+        self.config_origin = origin
         self.aggregator.stale_after_s = config.stale_after_s
         self.aggregator.forget_after_s = max(self.forget_after_s, config.stale_after_s)
         self._save()
-        logger.warning(json.dumps({"event": "brownout_config_applied", "config_version": self.config_version}))
+        logger.warning(json.dumps({"event": "brownout_config_applied", "origin": origin,
+                                   "config_version": self.config_version}))
         return {"ok": True, "changed": True, "config_version": self.config_version}
 
     # -- readers -------------------------------------------------------------------------------

@@ -152,4 +152,34 @@ def derive_policy(
         raise PolicyError(f"derived policy: {_format(err)}") from None
 
 
-__all__ = ["derive_policy", "derived_levels", "queue_thresholds"]
+def check_reachable(config: DegradationConfig, max_waiting: int) -> None:
+    """Reject a ``queue_length`` trigger the engine can never reach.
+
+    vLLM's waiting queue holds at most ``max_waiting`` requests per model replica (the model
+    deployment admits ``max_ongoing_requests``, and ``max_num_seqs`` of them run): a trigger
+    above that never fires and its level would never be reached on that signal (the old level
+    3's ``queue_length: 48`` against at most 16 waiting). Raises `PolicyError` naming the key,
+    its value and the limit.
+    """
+    for key in LEVEL_KEYS:
+        level = getattr(config, key)
+        if level is None:
+            continue
+        value = level.trigger.get("queue_length")
+        if value is not None and value > max_waiting:
+            raise PolicyError(
+                f"{key}.trigger.queue_length: {value:g} can never fire: at most {max_waiting} requests "
+                f"wait in vLLM (the model deployment's max_ongoing_requests minus max_num_seqs)"
+            )
+
+
+def fit_policy(config: DegradationConfig, max_num_seqs: int, max_waiting: int | None = None) -> DegradationConfig:
+    """The policy as it runs on an engine with batch ``max_num_seqs``: every queue trigger
+    checked against the waiting room (`check_reachable`), then levels derived from the ``slo``
+    (`derive_policy`). ``max_waiting`` defaults to ``max_num_seqs`` (the model deployment admits
+    twice its batch)."""
+    check_reachable(config, max_num_seqs if max_waiting is None else max_waiting)
+    return derive_policy(config, max_num_seqs, max_waiting)
+
+
+__all__ = ["check_reachable", "derive_policy", "derived_levels", "fit_policy", "queue_thresholds"]

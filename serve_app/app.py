@@ -12,34 +12,53 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray import serve
 from ray.serve import Application
 
+from deployments.engine import EngineSettings
 from deployments.enrichments.host import EnrichmentHost
 from deployments.model import VLLMModel
 from policies.config import DEFAULT_POLICY_PATH, parse_policy
+from policies.slo import fit_policy
 from serve_app.ingress import Ingress, IngressLimits, PipelineSettings
 
 EMBEDDED_MODEL = "embedded:tiny"
 
 
-class ModelArgs(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class ModelArgs(EngineSettings):
+    """The ``model:`` args: the engine's settings (`EngineSettings`: one home for those options
+    and their defaults), plus where the model comes from (``source``) and the API's view of it."""
 
-    source: str = Field(
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=False)
+
+    # `EngineSettings.model`, read from the key ``source`` (before it is resolved to a folder)
+    model: str = Field(
         default=EMBEDDED_MODEL,
+        alias="source",
         min_length=1,
         description=f"'{EMBEDDED_MODEL}' (built locally, offline), a local model folder, or a Hugging Face id",
     )
     served_model_name: str = Field(default="brownout-tiny", min_length=1)
-    max_num_seqs: int = Field(default=16, ge=1)
-    max_model_len: int = Field(default=1024, ge=16)
     max_prompt_tokens: int = Field(default=768, ge=1)
-    enforce_eager: bool = True
-    kv_cache_space_gib: int = Field(default=1, ge=1)
-    dtype: str = "auto"
-    seed: int = 0
+
+    @model_validator(mode="after")
+    def _room_to_generate(self) -> ModelArgs:
+        if self.max_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"max_prompt_tokens={self.max_prompt_tokens} must be below "
+                f"max_model_len={self.max_model_len}: no room would be left to generate"
+            )
+        return self
+
+    @property
+    def source(self) -> str:
+        return self.model
+
+    def engine(self) -> EngineSettings:
+        """The engine's settings, the model source resolved to a folder (built on first use)."""
+        fields = {name: getattr(self, name) for name in EngineSettings.model_fields}
+        return EngineSettings(**{**fields, "model": resolve_model_source(self.model)})
 
 
 class EnrichmentArgs(BaseModel):
@@ -85,32 +104,10 @@ def resolve_model_source(source: str) -> str:
     return source
 
 
-def engine_settings(m: ModelArgs) -> dict[str, Any]:
-    return {
-        "model": resolve_model_source(m.source),
-        "max_num_seqs": m.max_num_seqs,
-        "max_model_len": m.max_model_len,
-        "enforce_eager": m.enforce_eager,
-        "kv_cache_space_gib": m.kv_cache_space_gib,
-        "dtype": m.dtype,
-        "seed": m.seed,
-    }
-
-
 def build_app(args: BrownoutArgs) -> Application:
     """The Brownout graph: Ingress -> (enrichment deployments) -> VLLMModel."""
     args = BrownoutArgs.model_validate(args or {}) if not isinstance(args, BrownoutArgs) else args
     m = args.model
-    if m.max_prompt_tokens >= m.max_model_len:
-        raise ValueError(
-            f"model.max_prompt_tokens={m.max_prompt_tokens} must be below "
-            f"model.max_model_len={m.max_model_len}: no room would be left to generate"
-        )
-    if args.limits.default_max_tokens > args.limits.max_tokens_limit:
-        raise ValueError(
-            f"limits.default_max_tokens={args.limits.default_max_tokens} exceeds "
-            f"limits.max_tokens_limit={args.limits.max_tokens_limit}"
-        )
     model = serve.deployment(
         VLLMModel,
         name="VLLMModel",
@@ -124,14 +121,15 @@ def build_app(args: BrownoutArgs) -> Application:
         health_check_period_s=10,
         health_check_timeout_s=30,
     ).bind(
-        engine_settings=engine_settings(m),
+        engine_settings=m.engine(),
         served_model_name=m.served_model_name,
         max_prompt_tokens=m.max_prompt_tokens,
     )
     from deployments.enrichments.registry import features, hosts, workers
 
     policy = args.policy if args.policy is not None else default_policy_document()
-    parse_policy(policy)  # fail the deploy now, naming key and value, if the policy is invalid
+    # fail the deploy now, naming key and value, if the policy is invalid or cannot fire here
+    fit_policy(parse_policy(policy), m.max_num_seqs)
     handles: dict[str, Any] = {}
     local: dict[str, dict[str, Any]] = {}
     if args.enrichments.enabled:
@@ -171,10 +169,10 @@ def build_app(args: BrownoutArgs) -> Application:
     ).bind(
         model,
         served_model_name=m.served_model_name,
-        limits=args.limits.model_dump(),
+        limits=args.limits,
         enrichments=handles,
         local_workers=local,
-        pipeline=args.pipeline.model_dump(),
+        pipeline=args.pipeline,
         spool_dir=str(Path(args.enrichments.data_dir).expanduser() / "spool"),
         admin_token=args.admin_token,
         model_slots=m.max_num_seqs,

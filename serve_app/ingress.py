@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray import serve
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.metrics import Counter as ServeCounter
@@ -48,7 +48,7 @@ from policies.admission import CRITICALITY_HEADER, Criticality
 from policies.config import DegradationConfig, PolicyError, parse_policy
 from policies.features import PolicyView
 from policies.shaping import NO_SHAPING, REQUEST_FIELDS, SHAPED_HEADER, TOKEN_CAP_FIELDS, ShapingPlan, shape
-from policies.slo import derive_policy
+from policies.slo import fit_policy
 from serve_app.admission import AdmissionGate, Ticket
 from serve_app.openai_api import (
     SSE_DONE,
@@ -84,6 +84,13 @@ class IngressLimits(BaseModel):
     default_max_tokens: int = Field(default=64, ge=1, description="max_tokens when the client gives none")
     max_prompt_chars: int = Field(default=32_000, ge=1, description="longest prompt text, before tokenizing")
     retry_after_s: int = Field(default=1, ge=1, description="Retry-After sent with 503s")
+
+    @model_validator(mode="after")
+    def _default_within_limit(self) -> IngressLimits:
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise ValueError(f"default_max_tokens={self.default_max_tokens} exceeds "
+                             f"max_tokens_limit={self.max_tokens_limit}")
+        return self
 
 
 class PipelineSettings(BaseModel):
@@ -199,10 +206,10 @@ class Ingress:
         self,
         model: Any,
         served_model_name: str,
-        limits: dict[str, Any] | None = None,
+        limits: IngressLimits | dict[str, Any] | None = None,
         enrichments: Mapping[str, Any] | None = None,
         local_workers: Mapping[str, Mapping[str, Any]] | None = None,
-        pipeline: dict[str, Any] | None = None,
+        pipeline: PipelineSettings | dict[str, Any] | None = None,
         spool_dir: str | None = None,
         admin_token: str | None = None,
         policy_link: ActorLink | None = None,
@@ -211,6 +218,7 @@ class Ingress:
         self.model = model
         self.model_slots = model_slots  # the engine's batch (max_num_seqs): admission and derived levels
         self.served_model_name = served_model_name
+        # the builder passes validated models (kept as they are); a dict is validated here
         self.limits = IngressLimits.model_validate(limits or {})
         self.settings = PipelineSettings.model_validate(pipeline or {})
         self.created = int(time.time())
@@ -305,12 +313,14 @@ class Ingress:
         try:
             # validated here too, so a bad one is reported by the replica that was given it;
             # an `slo` section gets the level triggers it implies for this engine's batch
-            derive_policy(parse_policy(doc), self.model_slots)
+            fit_policy(parse_policy(doc), self.model_slots)
         except PolicyError as err:
             self.last_policy_error = str(err)
             logger.error("brownout: rejected policy from user_config, running policy kept: %s", err)
             return
-        result = await self.policy.call("update_config", doc, self.model_slots)
+        # origin "deploy": applied only if this document changed since the last deploy, so a
+        # replica restart or scale-up re-sending it does not undo an operator's change
+        result = await self.policy.call("update_config", doc, self.model_slots, "deploy")
         self.last_policy_error = None if result.get("ok") else result.get("error")
         logger.info("brownout: policy from user_config: %s", result)
 

@@ -184,6 +184,26 @@ def test_deferred_audit_records_all_arrive_once_the_level_drops(deployed: Cluste
     admin(http, "DELETE", params={"level": "true"})
 
 
+def restart_ingress(http: httpx.Client) -> None:
+    """Kill the ingress replica; return once the one Serve starts in its place answers."""
+    import ray
+
+    old_pid = admin(http, "GET", "/admin/brownout")["ingress"]["pid"]
+    (name,) = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+               if a["name"].startswith("SERVE_REPLICA::brownout#Ingress#")]
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)  # Serve starts a new one
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            state = http.get("/admin/brownout").json()
+            if state["ingress"]["pid"] != old_pid:
+                return
+        except (httpx.HTTPError, KeyError, ValueError):
+            pass
+        assert time.monotonic() < deadline, "no new ingress replica"
+        time.sleep(0.5)
+
+
 def test_deferred_audit_records_survive_an_ingress_restart(deployed: Cluster, http: httpx.Client) -> None:
     """Records spooled by one ingress replica are written out by the replica that replaces it."""
     import ray
@@ -195,20 +215,7 @@ def test_deferred_audit_records_survive_an_ingress_restart(deployed: Cluster, ht
     wait_level(http, 3)
     ids = [chat(http).headers["x-request-id"] for _ in range(5)]
     time.sleep(1.0)  # the spool appends run after each response
-    old_pid = admin(http, "GET", "/admin/brownout")["ingress"]["pid"]
-    (name,) = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-               if a["name"].startswith("SERVE_REPLICA::brownout#Ingress#")]
-    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)  # Serve starts a new one
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            state = http.get("/admin/brownout").json()
-            if state["ingress"]["pid"] != old_pid:
-                break
-        except (httpx.HTTPError, KeyError, ValueError):
-            pass
-        assert time.monotonic() < deadline, "no new ingress replica"
-        time.sleep(0.5)
+    restart_ingress(http)
     pin(http, 0)  # the level drops
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
@@ -294,6 +301,62 @@ def test_policy_actor_restart_keeps_config_and_pins(deployed: Cluster, http: htt
     r = chat(http)
     assert r.status_code == 200 and r.headers["X-Brownout-Level"] == "2"
     admin(http, "DELETE", params={"level": "true", "feature": "debug_capture"})
+
+
+def _policy_applied(actor: Any, gpu_util: float, timeout_s: float = 20) -> dict[str, Any]:
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        doc = ray.get(actor.get_config.remote(), timeout=5)
+        if doc["config"]["level1"]["trigger"]["gpu_util"] == gpu_util or time.monotonic() > deadline:
+            return doc
+        time.sleep(0.25)
+
+
+def test_which_policy_copy_wins(deployed: Cluster, http: httpx.Client) -> None:
+    """The last change wins: an operator's `update_config` survives an ingress restart (which
+    re-sends the deployed user_config) and a policy-actor restart; a `serve deploy` whose policy
+    changed replaces it (README, "Which copy of the policy wins")."""
+    import ray
+
+    actor = policy_actor()
+    base = deployed.config()
+
+    def deploy(gpu_util: float, name: str) -> None:
+        config = copy.deepcopy(base)
+        ingress_deployment(config)["user_config"]["policy"]["degradation"]["level1"]["trigger"]["gpu_util"] = gpu_util
+        out = deployed.serve_deploy(config, name)
+        assert out.returncode == 0, out.stderr
+        doc = _policy_applied(actor, gpu_util)
+        assert doc["config"]["level1"]["trigger"]["gpu_util"] == gpu_util and doc["origin"] == "deploy"
+
+    deploy(0.86, "deployed-a.yaml")
+    operator = copy.deepcopy(ingress_deployment(base)["user_config"]["policy"])
+    operator["degradation"]["level1"]["trigger"]["gpu_util"] = 0.81
+    assert ray.get(actor.update_config.remote(operator))["changed"] is True
+
+    restart_ingress(http)  # the new replica's reconfigure() sends deployed-a's policy again
+    time.sleep(2.0)
+    doc = ray.get(actor.get_config.remote())
+    assert doc["config"]["level1"]["trigger"]["gpu_util"] == 0.81 and doc["origin"] == "operator"
+
+    ray.kill(actor, no_restart=False)  # Ray restarts it from the persisted copy
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            doc = ray.get(actor.get_config.remote(), timeout=5)
+            break
+        except Exception:
+            assert time.monotonic() < deadline, "actor did not come back"
+            time.sleep(0.5)
+    assert doc["config"]["level1"]["trigger"]["gpu_util"] == 0.81 and doc["origin"] == "operator"
+
+    deploy(0.87, "deployed-b.yaml")  # a changed deployed policy wins over the operator's
+    out = deployed.serve_deploy(base, "restored.yaml")  # leave the shipped policy in force
+    assert out.returncode == 0, out.stderr
+    assert _policy_applied(actor, 0.85)["config"]["level1"]["trigger"]["gpu_util"] == 0.85
+    wait_running()
 
 
 def test_level_and_features_are_prometheus_metrics(deployed: Cluster) -> None:

@@ -249,7 +249,7 @@ def test_explicit_thresholds_win_and_the_reference_json_is_untouched() -> None:
     doc["slo"] = {"e2e_p99_ms": 2000}
     cfg = derive_policy(parse_policy(doc), max_num_seqs=16)
     # queue_length is named by the document: its values stand at every level
-    assert [cfg.trigger_thresholds(lv)["queue_length"] for lv in (1, 2, 3)] == [4, 16, 48]
+    assert [cfg.trigger_thresholds(lv)["queue_length"] for lv in (1, 2, 3)] == [4, 8, 12]
     assert cfg.trigger_thresholds(1)["gpu_util"] == 0.85
     # signals it does not name are derived, and reachable
     assert cfg.trigger_thresholds(3)["model_queued"] == 12
@@ -280,8 +280,17 @@ def test_derived_policy_reaches_level_3_on_the_queue_the_caps_allow() -> None:
         state, _ = decide(cfg, state, Signals(at=t, values={"queue_length": waiting}), float(t))
         levels.append(int(state.level))
     assert levels == [0, 0, 1, 2, 3, 3, 3]
-    old = parse_policy(HAND_WRITTEN)  # the previous default policy
-    assert old.trigger_thresholds(3)["queue_length"] > 16  # why this was needed
+    # why this was needed: the previous default's level 3 waited for 48 of at most 16
+    from policies.config import PolicyError
+    from policies.slo import check_reachable, fit_policy
+
+    old = {**HAND_WRITTEN["degradation"], "level3": {**HAND_WRITTEN["degradation"]["level3"],
+                                                      "trigger": {"queue_length": 48}}}
+    with pytest.raises(PolicyError, match=r"level3\.trigger\.queue_length: 48 can never fire: at most 16"):
+        fit_policy(parse_policy(old), 16)
+    check_reachable(parse_policy(HAND_WRITTEN), 16)  # the shipped hand-written policy fits
+    with pytest.raises(PolicyError, match=r"level3\.trigger\.queue_length: 12 can never fire: at most 8"):
+        check_reachable(parse_policy(HAND_WRITTEN), 8)
 
 
 def test_derive_rejects_a_bad_batch_size() -> None:

@@ -13,9 +13,9 @@ POLICY = {
     "stale_after_s": 2,
     "level1": {"trigger": {"queue_length": 4}, "recover": {"queue_length": 1},
                "recover_dwell_s": 3, "cooldown_s": 1, "disable": ["debug_capture"]},
-    "level2": {"trigger": {"queue_length": 16}, "recover_dwell_s": 3, "cooldown_s": 1,
+    "level2": {"trigger": {"queue_length": 8}, "recover_dwell_s": 3, "cooldown_s": 1,
                "disable": ["ab_test"]},
-    "level3": {"trigger": {"queue_length": 48}, "recover_dwell_s": 3, "cooldown_s": 1,
+    "level3": {"trigger": {"queue_length": 12}, "recover_dwell_s": 3, "cooldown_s": 1,
                "disable": ["all_non_critical"]},
     "features": {"audit_log": {"mode": "defer"}},
 }
@@ -30,7 +30,7 @@ def core(clock: FakeClock, store: dict | None = None) -> PolicyCore:
 def test_reports_drive_the_level_up_and_stepwise_down() -> None:
     clock = FakeClock()
     c = core(clock)
-    c.report("model:a", {"queue_length": 20})
+    c.report("model:a", {"queue_length": 10})
     tr = c.tick()
     assert tr is not None and c.view().level == 2
     assert "ab_test" not in c.view().enabled and "debug_capture" not in c.view().enabled
@@ -128,6 +128,44 @@ def test_slo_policy_gets_derived_triggers_for_the_batch_and_survives_a_restart()
     restarted = core(clock, store)
     assert restarted.batch_slots == 16 and restarted.config == c.config
     assert restarted.update_config(doc)["changed"] is False
+
+
+def test_a_queue_trigger_the_engine_cannot_reach_is_rejected_naming_it() -> None:
+    c = core(FakeClock())
+    doc = {**POLICY, "level3": {**POLICY["level3"], "trigger": {"queue_length": 48}}}
+    out = c.update_config(doc, batch_slots=16)
+    assert out["ok"] is False
+    assert "level3.trigger.queue_length: 48 can never fire: at most 16 requests wait in vLLM" in out["error"]
+    assert c.config == parse_policy(POLICY)  # the running policy stays
+
+
+def test_which_copy_wins_deploy_versus_operator_versus_restart() -> None:
+    """The last change wins: an operator's update survives replica restarts re-sending the
+    same deployed document, and an actor restart; a changed deployed document replaces it."""
+    clock, store = FakeClock(), {}
+    c = core(clock, store)
+    deployed = {**POLICY, "level1": {**POLICY["level1"], "trigger": {"queue_length": 5}}}
+    assert c.update_config(deployed, 16, "deploy")["changed"] is True
+    assert c.config.trigger_thresholds(1) == {"queue_length": 5}
+    operator = {**POLICY, "level1": {**POLICY["level1"], "trigger": {"queue_length": 6}}}
+    assert c.update_config(operator)["changed"] is True  # origin "operator" by default
+    # a replica restart (or Serve calling reconfigure twice) sends the deployed document again
+    out = c.update_config(deployed, 16, "deploy")
+    assert out["ok"] is True and out["changed"] is False and "kept" in out
+    assert c.config.trigger_thresholds(1) == {"queue_length": 6}
+    # the actor restarts: the operator's copy and the last deployed digest come back
+    restarted = core(clock, store)
+    assert restarted.config.trigger_thresholds(1) == {"queue_length": 6} and restarted.config_origin == "operator"
+    assert restarted.update_config(deployed, 16, "deploy")["changed"] is False
+    assert restarted.config.trigger_thresholds(1) == {"queue_length": 6}
+    # a new `serve deploy` with a changed policy replaces the operator's copy
+    changed = {**POLICY, "level1": {**POLICY["level1"], "trigger": {"queue_length": 7}}}
+    assert restarted.update_config(changed, 16, "deploy")["changed"] is True
+    assert restarted.config.trigger_thresholds(1) == {"queue_length": 7} and restarted.config_origin == "deploy"
+    # the same deployed document under another batch size is a new deploy
+    assert restarted.update_config(operator)["changed"] is True
+    assert restarted.update_config(changed, 12, "deploy")["changed"] is True
+    assert restarted.update_config(changed, 12, "nobody")["ok"] is False
 
 
 def test_slo_policy_without_a_known_batch_is_kept_as_written() -> None:
