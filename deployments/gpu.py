@@ -48,10 +48,13 @@ class GpuReading:
     mem_ratio: float
     devices: tuple[DeviceReading, ...]
 
+    failed: bool = False  # a read failed where NVML works: the GPU signals are stale, not absent
+
     @classmethod
-    def unavailable(cls, reason: str) -> GpuReading:
-        """A reading that carries only why no GPU could be read."""
-        return cls(False, reason, 0, 0.0, 0.0, ())
+    def unavailable(cls, reason: str, failed: bool = False) -> GpuReading:
+        """A reading that carries only why no GPU could be read (``failed``: a read error on a
+        machine whose NVML initialised, as opposed to a machine without a GPU)."""
+        return cls(False, reason, 0, 0.0, 0.0, (), failed)
 
 
 class GpuProbe:
@@ -85,7 +88,7 @@ class GpuProbe:
                 devices = tuple(_read_device(nvml, i) for i in range(nvml.nvmlDeviceGetCount()))
             except Exception as err:  # noqa: BLE001 - NVMLError or anything else: degrade
                 self.read_errors += 1
-                return GpuReading.unavailable(f"NVML read failed: {_describe(err)}")
+                return GpuReading.unavailable(f"NVML read failed: {_describe(err)}", failed=True)
         if not devices:
             return GpuReading.unavailable("no NVIDIA GPU found")
         return GpuReading(

@@ -176,23 +176,27 @@ class VLLMModel:
 
     # -- observability -------------------------------------------------------------------------
 
-    def signals(self) -> dict[str, float]:
+    def signals(self) -> dict[str, float | None]:
         """What this replica reports to the policy actor (names from policies.config.SIGNALS).
 
-        queue_length is vLLM's waiting queue: requests admitted to the replica that the batch
-        cannot take yet. Latency figures are left out while the window is empty; GPU figures
-        only where a GPU exists.
+        ``queue_length`` is vLLM's waiting queue: requests admitted to the replica that the batch
+        cannot take yet. ``engine_p95_latency_ms`` and ``ttft_p95_ms`` are times inside vLLM
+        (end-to-end latency is the ingress's ``p95_latency_ms``); they are left out while the
+        window is empty. GPU figures only where a GPU exists; a failed read sends them as None
+        (stale, counted by the actor and in ``stats()["gpu"]["read_errors"]``).
         """
         st = self.engine.stats()
-        out: dict[str, float] = {"queue_length": st.num_waiting_reqs, "kv_cache_usage": st.kv_cache_usage_ratio}
-        for name, value in (("ttft_p95_ms", st.ttft_p95_ms), ("p95_latency_ms", st.latency_p95_ms),
-                            ("avg_latency_ms", st.avg_latency_ms)):
+        out: dict[str, float | None] = {"queue_length": st.num_waiting_reqs,
+                                        "kv_cache_usage": st.kv_cache_usage_ratio}
+        for name, value in (("ttft_p95_ms", st.ttft_p95_ms), ("engine_p95_latency_ms", st.latency_p95_ms)):
             if value is not None:
                 out[name] = value
         gpu = self.gpu.read()
         if gpu.available:
             out["gpu_util"] = gpu.util_ratio
             out["gpu_mem_ratio"] = gpu.mem_ratio
+        elif gpu.failed:
+            out["gpu_util"] = out["gpu_mem_ratio"] = None
         return out
 
     def stats(self) -> dict[str, Any]:
@@ -202,7 +206,7 @@ class VLLMModel:
             "pid": os.getpid(),
             **asdict(self.engine.stats()),
             "dropped_late": self.dropped_late,
-            "gpu": {"available": gpu.available, "reason": gpu.reason,
+            "gpu": {"available": gpu.available, "reason": gpu.reason, "read_errors": self.gpu.read_errors,
                     "util_ratio": gpu.util_ratio, "mem_ratio": gpu.mem_ratio},
         }
 

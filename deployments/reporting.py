@@ -93,13 +93,22 @@ class PeriodicTask:
 
 
 def signal_reporter(
-    link: ActorLink, source: str, collect: Callable[[], Mapping[str, float]], interval_s: float = 0.25
+    link: ActorLink, source: str, collect: Callable[[], Mapping[str, float | None]], interval_s: float = 0.25
 ) -> PeriodicTask:
-    """A `PeriodicTask` sending ``collect()`` to the policy actor as ``source``."""
+    """A `PeriodicTask` sending ``collect()`` to the policy actor as ``source``.
+
+    A signal ``collect`` gives as None is one the replica tried to read and could not: it is
+    sent as stale (the actor counts it and will not recover on it), never silently left out.
+    """
 
     async def step() -> None:
-        signals = {k: float(v) for k, v in collect().items() if v is not None}
-        await link.call("report", source, signals)
+        collected = collect()
+        signals = {k: float(v) for k, v in collected.items() if v is not None}
+        stale = sorted(k for k, v in collected.items() if v is None)
+        if stale:
+            await link.call("report", source, signals, stale)
+        else:
+            await link.call("report", source, signals)
 
     return PeriodicTask(f"report:{source}", step, interval_s)
 

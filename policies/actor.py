@@ -93,9 +93,9 @@ class PolicyActor:
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._loop())
 
-    async def report(self, source: str, signals: dict[str, float]) -> bool:
+    async def report(self, source: str, signals: dict[str, float], stale: list[str] | None = None) -> bool:
         self._ensure_loop()
-        return self.core.report(source, signals)
+        return self.core.report(source, signals, stale or ())
 
     async def view(self) -> PolicyView:
         self._ensure_loop()

@@ -63,9 +63,11 @@ SIGNAL_AGGREGATION: Mapping[str, Literal["sum", "max"]] = {
     "queue_length": "sum",  # requests vLLM has accepted but not yet scheduled (engine waiting)
     "inflight": "sum",  # requests being served end to end (ingress; open streams included)
     "kv_cache_usage": "max",  # 0-1, fullest vLLM KV cache
-    "avg_latency_ms": "max",  # mean latency over the window
-    "p95_latency_ms": "max",  # 95th percentile latency
-    "ttft_p95_ms": "max",  # 95th percentile time to first token
+    "avg_latency_ms": "max",  # mean end-to-end latency at the ingress (request in, last byte out)
+    "p95_latency_ms": "max",  # 95th percentile end-to-end latency at the ingress
+    "engine_p95_latency_ms": "max",  # 95th percentile time inside vLLM (model replica)
+    "enrichment_p95_latency_ms": "max",  # 95th percentile of one enrichment deployment call
+    "ttft_p95_ms": "max",  # 95th percentile time to first token inside vLLM
     # Early signals of the SLO-derived policy (`derive_policy`); both rise before latency is lost.
     "model_queued": "sum",  # requests admitted and waiting for the model's batch wherever they
     #                         wait, as each ingress counts its own

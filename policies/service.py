@@ -14,7 +14,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -59,6 +59,7 @@ class PolicyCore:
         self.transitions: collections.deque[dict[str, Any]] = collections.deque(maxlen=history_size)
         self.report_errors = 0
         self.reports = 0
+        self.failed_reads = 0  # reports that carried a signal its replica failed to read
         self.config_version = 1
         self.last_config_error: str | None = None
         # The engine's batch size, as the ingress last said (`update_config`): a policy with an
@@ -128,10 +129,14 @@ class PolicyCore:
 
     # -- signals and ticks ---------------------------------------------------------------------
 
-    def report(self, source: str, values: Mapping[str, float]) -> bool:
+    def report(self, source: str, values: Mapping[str, float], stale: Sequence[str] = ()) -> bool:
+        """Keep one replica's report; ``stale``: signals it could not read (counted, and stale)."""
         try:
-            self.aggregator.add(Report(source, self.clock(), {k: float(v) for k, v in values.items()}))
+            self.aggregator.add(Report(source, self.clock(), {k: float(v) for k, v in values.items()},
+                                       frozenset(stale)))
             self.reports += 1
+            if stale:
+                self.failed_reads += 1
             return True
         except (ValueError, TypeError):
             self.report_errors += 1
@@ -278,6 +283,7 @@ class PolicyCore:
             "last_change_at": st.last_change_at,
             "sources": self.aggregator.sources(),
             "reports": self.reports,
+            "failed_reads": self.failed_reads,
             "report_errors": self.report_errors,
             "last_config_error": self.last_config_error,
             "recent_transitions": list(self.transitions)[-10:],

@@ -7,10 +7,16 @@ it took them. The aggregator keeps the latest report per source and folds the fr
 - ``sum`` for queue-like counts (``queue_length``, ``inflight``, ``model_queued``): work waiting
   anywhere in the cluster is work the cluster must do; replicas each see only their own share.
 - ``max`` for utilisation and latency (``gpu_util``, ``gpu_mem_ratio``, ``kv_cache_usage``,
-  ``avg_latency_ms``, ``p95_latency_ms``, ``ttft_p95_ms``, ``predicted_wait_ms``): requests routed
+  ``avg_latency_ms``, ``p95_latency_ms`` (end to end, at the ingress),
+  ``engine_p95_latency_ms``, ``enrichment_p95_latency_ms``, ``ttft_p95_ms``,
+  ``predicted_wait_ms``): one name per meaning, each reported by one kind of replica; requests routed
   to the hottest replica wait behind it, so the worst replica is the one that breaks the SLO. A
   mean would hide one saturated GPU among idle ones; a max across replicas' p95s over-states the cluster p95 only
   when replicas differ, which is exactly when shedding is warranted.
+
+A replica that tried to read a signal and failed (an NVML error on a GPU machine) says so in its
+report's ``stale`` names: the signal is stale, exactly as if the report were old, never silently
+missing (a missing signal would stop blocking recovery).
 
 Freshness: a report older than ``stale_after_s`` is left out of the values. A signal that any
 stale report carries is *stale*, even where fresh reports give it a value: a sum missing one
@@ -51,14 +57,16 @@ class Signals:
 
 @dataclass(frozen=True)
 class Report:
-    """What one replica saw at ``at``. Unknown signal names are rejected at construction."""
+    """What one replica saw at ``at``; ``stale``: signals it tried to read and could not.
+    Unknown signal names are rejected at construction."""
 
     source: str
     at: float
     values: Mapping[str, float]
+    stale: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
-        for name in self.values:
+        for name in (*self.values, *self.stale):
             if name not in AGGREGATION:
                 raise ValueError(
                     f"report from {self.source!r}: unknown signal {name!r}; "
@@ -103,6 +111,7 @@ class Aggregator:
                 stale_seen.update(report.values)
                 continue
             fresh_sources += 1
+            stale_seen.update(report.stale)
             for name, value in report.values.items():
                 if AGGREGATION[name] == "sum":
                     sums[name] = sums.get(name, 0.0) + value

@@ -388,11 +388,12 @@ class Ingress:
         return req
 
     async def _serve(self, ctx: RequestState, ticket: Ticket, stream: bool, include_usage: bool, chat: bool,
-                     echo_prefix: str = "") -> Response:
+                     echo_prefix: str = "", on_stream_end: Callable[[], None] = lambda: None) -> Response:
         """The whole request after admission: pre stages, model (or cache), post, side effects.
 
         The ticket is released when the model is done with the request: here for a whole
-        response, at the end of the stream for a streamed one (`_sse`).
+        response, at the end of the stream for a streamed one (`_sse`), which then also calls
+        ``on_stream_end`` (idempotent) however the stream ends.
         """
         await self.pipeline.pre(ctx)
         rid = new_id("chatcmpl" if chat else "cmpl")
@@ -412,7 +413,7 @@ class Ingress:
 
         if stream:
             self.pipeline.plan_side_effects(ctx)
-            body = self._sse(ctx, ticket, gen, rid, chat, include_usage, echo_prefix)
+            body = self._sse(ctx, ticket, gen, rid, chat, include_usage, echo_prefix, on_stream_end)
             return StreamingResponse(body, media_type="text/event-stream", headers=ctx.headers())
 
         ctx.text = result.text
@@ -439,12 +440,15 @@ class Ingress:
             raise
 
     def _sse(self, ctx: RequestState, ticket: Ticket, gen: Any, rid: str, chat: bool,
-             include_usage: bool, echo_prefix: str) -> AsyncIterator[bytes]:
+             include_usage: bool, echo_prefix: str, on_end: Callable[[], None]) -> AsyncIterator[bytes]:
         def release(served: bool) -> None:
             self.gate.release(ticket, served)
 
-        return _ReleasingStream(self._sse_body(ctx, gen, rid, chat, include_usage, echo_prefix, release),
-                                lambda: release(False))
+        def ended() -> None:
+            release(False)  # no-op when the body released it already
+            on_end()
+
+        return _ReleasingStream(self._sse_body(ctx, gen, rid, chat, include_usage, echo_prefix, release), ended)
 
     async def _sse_body(self, ctx: RequestState, gen: Any, rid: str, chat: bool, include_usage: bool,
                         echo_prefix: str, release: Callable[[bool], None]) -> AsyncIterator[bytes]:
@@ -494,7 +498,18 @@ class Ingress:
         refusal costs nothing but the parse.
         """
         started = time.monotonic()
+        # `inflight` counts the request until its last byte is out: for a stream, that is when
+        # the body ends (exhausted, failed or closed by the client), not when headers are sent.
         self.inflight += 1
+        counted = True
+
+        def end_inflight() -> None:
+            nonlocal counted
+            if counted:
+                counted = False
+                self.inflight -= 1
+
+        streaming = False
         ticket: Ticket | None = None
         try:
             if chat:
@@ -514,7 +529,8 @@ class Ingress:
             ticket = self.gate.admit(request.headers.get(CRITICALITY_HEADER))
             ctx.headers_out[CRITICALITY_HEADER] = ticket.criticality.value
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            response = await self._serve(ctx, ticket, body.stream, include_usage, chat, echo)
+            response = await self._serve(ctx, ticket, body.stream, include_usage, chat, echo, end_inflight)
+            streaming = isinstance(response, StreamingResponse)
             if not body.stream:  # a stream's latency is taken when its last byte is out
                 self.latency_ms.add((time.monotonic() - started) * 1000.0)
                 self.gate.release(ticket, served=False)  # no-op when _serve released it
@@ -528,7 +544,8 @@ class Ingress:
                 self.gate.release(ticket, served=False)
             raise
         finally:
-            self.inflight -= 1
+            if not streaming:
+                end_inflight()
 
     # -- OpenAI routes -------------------------------------------------------------------------
 

@@ -47,7 +47,7 @@ class EnrichmentHost:
 
     def _signals(self) -> dict[str, float]:
         p95 = self.latency_ms.percentile(95)
-        return {} if p95 is None else {"p95_latency_ms": p95}
+        return {} if p95 is None else {"enrichment_p95_latency_ms": p95}
 
     async def call_many(self, calls: Sequence[tuple[str, dict[str, Any]]]) -> list[Outcome]:
         """Run one request phase's calls, concurrently; each gets its own `Outcome`."""

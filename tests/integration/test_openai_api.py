@@ -65,6 +65,27 @@ def test_sse_wire_format_ends_with_done(http: httpx.Client) -> None:
     assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"]["role"] == "assistant"
 
 
+def test_an_open_stream_counts_as_inflight_until_its_last_byte(http: httpx.Client) -> None:
+    """The ingress's `inflight` signal keeps a stream until it ends, not until its headers go out."""
+
+    def inflight() -> int:
+        return http.get("/admin/brownout").json()["ingress"]["inflight"]
+
+    before = inflight()  # 0 unless an earlier test left a request running
+    with http.stream("POST", CHAT, json={"model": MODEL, "messages": [{"role": "user", "content": "count"}],
+                                         "max_tokens": 64, "ignore_eos": True, "stream": True}) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")  # headers and a first event are out
+        assert inflight() == before + 1
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]"
+    deadline = time.monotonic() + 5
+    while inflight() != before:
+        assert time.monotonic() < deadline, "the finished stream is still counted in flight"
+        time.sleep(0.1)
+
+
 def test_openai_sdk_completions(deployed: Cluster) -> None:
     client = openai.OpenAI(base_url=deployed.base_url + "/v1", api_key="unused")
     out = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10)

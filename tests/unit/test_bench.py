@@ -13,6 +13,7 @@ import pytest
 
 from bench import report as rep
 from bench.loadgen import (
+    CONN_ERROR,
     CRITICALITY_HEADER,
     CUT_OFF,
     DEFAULT_MIX,
@@ -22,13 +23,18 @@ from bench.loadgen import (
     RunResult,
     SloRule,
     calibrate,
+    calibrate_staged,
     constant,
     make_prompt,
+    median_trace_seed,
     oscillate,
     parse_mix,
+    reference_capacity,
     run_load,
     schedule,
     step,
+    trace,
+    unit_trace,
 )
 
 
@@ -149,6 +155,87 @@ def test_calibrate_brackets_then_bisects(capacity: float, start: float) -> None:
     assert len(calls) == len(cal.probes) <= 12
 
 
+def test_calibrate_stops_bisecting_within_the_tolerance() -> None:
+    measure, calls = fake_server(3.4)
+    cal = calibrate(measure, 2.0, growth=2.0, bisect_steps=10, rel_tol=0.15)
+    assert cal.upper_rps is not None and (cal.upper_rps - cal.capacity_rps) / cal.capacity_rps <= 0.15
+    assert len(calls) == 5  # 2 pass, 4 fail, bisect 3 (fail), 2.5 (pass), 2.75 (pass): 2.75..3 is 9%
+
+
+def staged_server(coarse_cap: float, fine_cap: float):  # type: ignore[no-untyped-def]
+    """Coarse probes (a prefix) pass up to coarse_cap, whole ones only up to fine_cap <= it."""
+    calls: list[tuple[str, float]] = []
+
+    def make(stage: str, cap: float):  # type: ignore[no-untyped-def]
+        def measure(rate: float) -> Probe:
+            calls.append((stage, rate))
+            return Probe(rate, rate <= cap, 40, 0, None, stage=stage)
+        return measure
+
+    return make("coarse", coarse_cap), make("fine", fine_cap), calls
+
+
+@pytest.mark.parametrize("coarse_cap, fine_cap", [(0.7, 0.7), (0.7, 0.66), (0.7, 0.5), (0.7, 0.3), (1.3, 1.25),
+                                                  (5.0, 4.0)])
+def test_calibrate_staged_reports_a_rate_a_whole_probe_passed(coarse_cap: float, fine_cap: float) -> None:
+    coarse, fine, calls = staged_server(coarse_cap, fine_cap)
+    cal = calibrate_staged(coarse, fine, 2.0, growth=2.0, coarse_tol=0.15, fine_tol=0.05)
+    fine_passed = [p.rate_rps for p in cal.probes if p.stage == "fine" and p.passed]
+    assert cal.capacity_rps in fine_passed and cal.capacity_rps == max(fine_passed) <= fine_cap
+    assert cal.bracketed and cal.upper_rps is not None and cal.upper_rps > fine_cap - 1e-9
+    # the fine search ends within 5% or after its 3 bisections, whichever first (then within ~15%/8)
+    assert (cal.upper_rps - cal.capacity_rps) / cal.capacity_rps <= 0.15
+    assert sum(1 for stage, _ in calls if stage == "fine") <= 6
+
+
+def test_calibrate_staged_edges() -> None:
+    coarse, fine, _ = staged_server(0.0, 0.0)
+    assert calibrate_staged(coarse, fine, 1.0).capacity_rps == 0.0
+    coarse, fine, _ = staged_server(0.5, 0.0)  # the prefix passes, the whole trace never does
+    assert calibrate_staged(coarse, fine, 1.0, min_rps=0.1).capacity_rps == 0.0
+    coarse, fine, _ = staged_server(1000.0, 1000.0)
+    cal = calibrate_staged(coarse, fine, 1.0, max_rps=8.0)
+    assert (cal.capacity_rps, cal.bracketed) == (8.0, False)
+
+
+def test_calibration_trace_is_one_pattern_scaled_to_the_rate() -> None:
+    a, b = trace(0.5, 40, 7), trace(2.0, 40, 7)
+    assert len(a) == 40 and [x.at_s for x in a] == pytest.approx([4 * x.at_s for x in b])
+    assert trace(0.5, 16, 7) == a[:16]  # a coarse probe is a prefix of a fine one
+    assert trace(0.5, 40, 8) != a
+    with pytest.raises(ValueError):
+        trace(0.0, 4, 1)
+
+
+def test_reference_capacity_ranks_bursty_traces_lower() -> None:
+    regular = [float(i) for i in range(1, 11)]
+    # gaps of 1/r at rate r: the 10th request waits 9 * (1 - 1/r); sojourn <= 2.5 up to r = 1.2
+    assert reference_capacity(regular, limit=2.5) == pytest.approx(1.2, abs=1e-6)
+    bursty = [1.0, 1.1, 1.2, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0]
+    assert reference_capacity(bursty, limit=2.5) < reference_capacity(regular, limit=2.5)
+    # the first `warmup` requests are not judged
+    assert reference_capacity(bursty, 2.5, warmup=3) > reference_capacity(bursty, 2.5)
+    assert unit_trace(3, 5) == unit_trace(3, 5) and len(unit_trace(3, 5)) == 5
+
+
+def test_median_trace_seed_is_the_median_and_fixed() -> None:
+    seed = median_trace_seed(30, candidates=11)
+    caps = sorted(reference_capacity(unit_trace(s, 30), 2.5, 2) for s in range(11))
+    assert reference_capacity(unit_trace(seed, 30), 2.5, 2) == caps[5]
+    assert median_trace_seed(30, candidates=11) == seed
+
+
+def test_judge_skips_the_warm_up_requests() -> None:
+    from bench import overload
+
+    rule = SloRule(slo_ms=4000)
+    records = [rec(0, 0.0, 5.0), rec(1, 0.1, 4.5)] + [rec(i, i, i + 1.0) for i in range(2, 30)]
+    assert overload.judge(rule, records, 2) == (True, 0, 0)
+    assert overload.judge(rule, records, 1) == (False, 1, 0)
+    records[10].status = 503
+    assert overload.judge(rule, records, 2) == (False, 0, 1)
+
+
 def test_calibrate_edge_cases() -> None:
     measure, _ = fake_server(0.0)
     assert calibrate(measure, 1.0, min_rps=0.2).capacity_rps == 0.0
@@ -195,6 +282,60 @@ def test_per_class_and_windows() -> None:
     assert w[0]["offered_rps"] == 0.4 and w[0]["shed_ratio"] == {"critical": 0.0, "sheddable": 1.0}
     assert w[1]["completed_rps"] == 0.4 and w[1]["goodput_rps"] == 0.2 and w[1]["e2e_ms"]["p50"] == 1850.0
     assert (w[0]["max_level"], w[1]["max_level"]) == (2, 1)
+
+
+def test_refusal_figures() -> None:
+    records = [rec(0, 0.0, 1.0), rec(1, 1.0, 1.02, 503), rec(2, 2.0, 2.04, 429), rec(3, 3.0, 3.1, 503),
+               rec(4, 4.0, 4.5, 500), rec(5, 5.0, None, CUT_OFF), rec(6, 6.0, 16.0, CONN_ERROR)]
+    for r in records[1:3]:
+        r.headers["retry-after"] = "2"
+    records[1].sent_s = 1.01  # time to refusal is from when it was sent: 10 ms
+    records[6].error = "ConnectTimeout: timed out"
+    s = rep.summarize(records, slo_ms=2000, span_s=7.0)
+    # non-200: 503, 429, 503 (no Retry-After), 500; the cut-off and the connect time-out are time-outs
+    assert (s["non200"], s["client_timeouts"]) == (4, 2)
+    assert s["non200_shed_retry_after_share"] == 0.5
+    assert s["refusal_p50_ms"] == pytest.approx(70.0)  # 10, 40, 100, 500 ms
+    assert rep.summarize(records[:1], 2000, 1.0)["non200_shed_retry_after_share"] is None
+    conn = rec(7, 0.0, 0.1, CONN_ERROR)
+    conn.error = "ConnectError: refused"
+    assert rep.refusals([conn]) == {"non200": 1, "refusal_p50_ms": None, "non200_shed_retry_after_share": 0.0,
+                                    "client_timeouts": 0}
+
+
+def test_slo_met_again_after_the_step_down() -> None:
+    # step down at t = 10: arrivals until 13 wait behind the backlog (5 s), later ones take 1 s
+    records = [rec(i, 10 + 0.25 * i, 10 + 0.25 * i + (5.0 if i < 12 else 1.0)) for i in range(40)]
+    assert rep.slo_met_again_s(records, 10.0, 2000, end_s=20.0) == 3.0
+    # refusals do not count against the SLO; a request that never completed does
+    shed = [rec(i, 10 + 0.25 * i, 10 + 0.25 * i + 0.01, 503) for i in range(12)] + records[12:]
+    assert rep.slo_met_again_s(shed, 10.0, 2000, end_s=20.0) == 0.0
+    cut = [rec(0, 10.5, None, CUT_OFF)] + records[12:]
+    assert rep.slo_met_again_s(cut, 10.0, 2000, end_s=20.0) == 1.0
+    assert rep.slo_met_again_s(records[:12], 10.0, 2000, end_s=20.0) is None
+    assert rep.slo_met_again_s(records, 10.0, 2000, end_s=14.0) is None  # no whole window after it
+
+
+def test_class_figures_order_and_critical_share() -> None:
+    records = ([rec(i, i * 0.1, i * 0.1 + 1.0, crit="critical") for i in range(100)]
+               + [rec(100 + i, i * 0.1, i * 0.1 + 0.01, 429 if i < 20 else 200, crit="standard") for i in range(50)]
+               + [rec(200 + i, i * 0.1, i * 0.1 + 0.01, 429 if i < 30 else 200, crit="sheddable") for i in range(50)])
+    for r in records[100:]:
+        if r.status == 200:
+            r.done_s = r.scheduled_s + 1.0
+    figs = rep.class_figures(rep.per_class(records, 2000, span_s=11.0))
+    assert figs is not None
+    assert figs["per_class"]["critical"] == {"requests": 100, "good_ratio": 1.0, "shed_ratio": 0.0}
+    assert figs["per_class"]["sheddable"]["shed_ratio"] == 0.6 and figs["per_class"]["standard"]["good_ratio"] == 0.6
+    assert figs["shed_order_ok"] is True and figs["critical_good_ok"] is True
+    records[0].done_s = 5.0  # one critical request late: 99% within the SLO still holds
+    records[1].status = 503  # and one shed: 98%, and critical now sheds more than nothing
+    figs = rep.class_figures(rep.per_class(records, 2000, span_s=11.0))
+    assert figs is not None and figs["critical_good_ok"] is False and figs["shed_order_ok"] is True
+    inverted = [rec(0, 0.0, 0.01, 503, crit="critical"), rec(1, 0.0, 1.0, crit="sheddable")]
+    figs = rep.class_figures(rep.per_class(inverted, 2000, span_s=1.0))
+    assert figs is not None and figs["shed_order_ok"] is False
+    assert rep.class_figures({}) is None
 
 
 def test_reaction_time_and_level_changes() -> None:

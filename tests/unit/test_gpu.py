@@ -86,6 +86,7 @@ def test_failed_read_is_counted_and_reported_never_raised() -> None:
     nvml.fail_reads = OSError("GPU is lost")
     reading = probe.read()
     assert not reading.available and reading.reason == "NVML read failed: OSError: GPU is lost"
+    assert reading.failed  # a failed read, not a machine without a GPU: the signal goes stale
     assert probe.read_errors == 1
     nvml.fail_reads = None
     assert probe.read().available and probe.read_errors == 1

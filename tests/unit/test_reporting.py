@@ -116,20 +116,20 @@ def test_periodic_task_counts_failures_and_keeps_running() -> None:
     assert task.failures == 2 and task.runs >= 3
 
 
-def test_signal_reporter_sends_floats_and_drops_none() -> None:
+def test_signal_reporter_sends_floats_and_failed_reads_as_stale() -> None:
     actor = FakeActor()
     link = ActorLink(lambda: actor)
 
     async def run() -> None:
-        reporter = signal_reporter(link, "model:1", lambda: {"queue_length": 3, "ttft_p95_ms": None}, 0.001)
+        reporter = signal_reporter(link, "model:1", lambda: {"queue_length": 3, "gpu_util": None}, 0.001)
         reporter.start()
         while not actor.reports:
             await asyncio.sleep(0.001)
         await reporter.stop()
 
     asyncio.run(run())
-    source, signals = actor.reports[0]
-    assert source == "model:1" and signals == {"queue_length": 3.0}
+    source, signals, stale = actor.reports[0]
+    assert source == "model:1" and signals == {"queue_length": 3.0} and stale == ["gpu_util"]
     assert isinstance(signals["queue_length"], float)
 
 

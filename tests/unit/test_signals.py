@@ -41,6 +41,42 @@ def test_older_report_does_not_replace_newer() -> None:
     assert agg.aggregate(now=5.0).values["queue_length"] == 9
 
 
+def test_a_failed_read_makes_its_signal_stale_not_absent() -> None:
+    """A replica that could not read a signal says so: the signal is stale (blocks recovery)
+    even though the report itself is fresh, and other replicas' values still count."""
+    agg = Aggregator(stale_after_s=5)
+    agg.add(Report("model-a", 10.0, {"queue_length": 3}, frozenset({"gpu_util"})))
+    agg.add(Report("model-b", 10.0, {"gpu_util": 0.4}))
+    snap = agg.aggregate(now=10.0)
+    assert snap.values == {"queue_length": 3, "gpu_util": 0.4} and snap.stale == {"gpu_util"}
+    with pytest.raises(ValueError, match=r"unknown signal 'gpu_temp'"):
+        Report("m", 0.0, {}, frozenset({"gpu_temp"}))
+
+
+def test_a_failed_read_blocks_recovery_and_is_counted() -> None:
+    from policies.config import parse_policy
+    from policies.service import PolicyCore
+    from tests.fakes.clock import FakeClock
+
+    clock = FakeClock()
+    core = PolicyCore(parse_policy({"level1": {"trigger": {"gpu_util": 0.9}, "recover_dwell_s": 1,
+                                               "cooldown_s": 0, "disable": ["debug_capture"]}}), clock=clock)
+    core.report("model", {"gpu_util": 0.95})
+    core.tick()
+    assert core.view().level == 1
+    for _ in range(5):
+        clock.advance(1)
+        core.report("model", {"queue_length": 0}, ["gpu_util"])
+        core.tick()
+    assert core.view().level == 1 and core.get_state()["recovery_blocked_by"] == ["gpu_util"]
+    assert core.get_state()["failed_reads"] == 5
+    for _ in range(3):
+        clock.advance(1)
+        core.report("model", {"gpu_util": 0.1})
+        core.tick()
+    assert core.view().level == 0
+
+
 def test_unknown_signal_rejected() -> None:
     with pytest.raises(ValueError, match=r"unknown signal 'gpu_temp'"):
         Report("m", 0.0, {"gpu_temp": 80})
