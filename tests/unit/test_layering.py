@@ -53,3 +53,36 @@ def test_enrichment_modules_import_no_ray() -> None:
     assert len(files) >= 5
     for path in files:
         assert "ray" not in imported_roots(path), path.name
+
+
+def _string_literals(path: Path) -> set[str]:
+    """Every string constant in the code, docstrings excluded (docs may name features)."""
+    tree = ast.parse(path.read_text(), str(path))
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)
+    }
+    return {n.value for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings}
+
+
+def test_no_product_file_names_an_optional_feature_outside_its_module() -> None:
+    """Adding a feature is its module plus a registry line: the pipeline, the ingress, the policy
+    core and the builder never branch on a particular feature's name."""
+    from policies.features import REGISTRY, optional_names
+
+    names = set(optional_names())
+    own = {Path(spec.impl.partition(":")[0].replace(".", "/") + ".py") for spec in REGISTRY.values() if spec.impl}
+    allowed = own | {Path("policies/features.py"), Path("deployments/enrichments/registry.py")}
+    checked = 0
+    for package in ("serve_app", "deployments", "policies"):
+        for path in (ROOT / package).rglob("*.py"):
+            rel = path.relative_to(ROOT)
+            if rel in allowed:
+                continue
+            checked += 1
+            named = _string_literals(path) & names
+            assert not named, f"{rel} names optional feature(s) {sorted(named)}"
+    assert checked >= 15 and len(names) >= 10
