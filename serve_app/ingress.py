@@ -398,7 +398,9 @@ class Ingress:
         await self.pipeline.pre(ctx)
         rid = new_id("chatcmpl" if chat else "cmpl")
         if ctx.answer is not None:  # a pre stage answered: the model is not called
-            result = Completion(text=ctx.answer, prompt_tokens=0, completion_tokens=0, finish_reason="stop")
+            prompt_tokens, completion_tokens = ctx.answer_usage
+            result = Completion(text=ctx.answer, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                                finish_reason=ctx.answer_finish)
             gen = None
             self.gate.release(ticket, served=False)
         elif stream:
@@ -467,9 +469,11 @@ class Ingress:
         elif echo_prefix:
             yield chunk(echo_prefix, None)
         try:
-            if gen is None:  # answered by a pre stage, sent as one chunk
+            if gen is None:  # answered by a pre stage, sent as one chunk, with its own usage
                 parts.append(ctx.answer or "")
-                yield chunk(ctx.answer or "", "stop")
+                finish = ctx.answer_finish
+                prompt_tokens, completion_tokens = ctx.answer_usage
+                yield chunk(ctx.answer or "", finish)
             else:
                 async for delta in gen:
                     finish, prompt_tokens, completion_tokens = (delta.finish_reason, delta.prompt_tokens,

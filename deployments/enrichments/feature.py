@@ -54,6 +54,10 @@ class RequestState:
     key_text: str = ""  # the client's own text, before any feature changed it
     text: str = ""  # the answer, once there is one (post stages change it)
     answer: str | None = None  # set by a pre stage that answers the request itself: no model call
+    # with ``answer``: its honest usage (prompt tokens, completion tokens) and finish reason
+    answer_usage: tuple[int, int] = (0, 0)
+    answer_finish: str = "stop"
+    tenant: str = "anonymous"  # who the request's API key belongs to: scopes anything shared
     personal: bool = False  # a feature shaped the prompt for this user: the answer is theirs alone
     tags: dict[str, Any] = field(default_factory=dict)  # feature annotations, copied into the record
     headers_out: dict[str, str] = field(default_factory=dict)  # feature response headers
