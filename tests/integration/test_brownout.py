@@ -388,8 +388,9 @@ def test_burst_escalates_fast_and_recovers_one_step_per_dwell(deployed: Cluster,
     doc["level1"]["recover"] = {"queue_length": 1}
     doc["level2"]["trigger"] = {"queue_length": 12}
     doc["level2"]["recover"] = {"queue_length": 2}
-    doc["level3"]["trigger"] = {"queue_length": 1000}
-    doc["level3"]["recover"] = {"queue_length": 3}
+    # level 3 out of reach (a queue trigger above the 16 that can wait would be refused)
+    doc["level3"]["trigger"] = {"engine_p95_latency_ms": 1e9}
+    doc["level3"]["recover"] = {"engine_p95_latency_ms": 1e8}
     assert deployed.serve_deploy(config, "burst.yaml").returncode == 0
     deadline = time.monotonic() + 20
     while ray.get(actor.get_config.remote())["config"]["level1"]["trigger"] != {"queue_length": 4.0}:
