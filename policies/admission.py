@@ -5,49 +5,59 @@ Pure: no clock, no I/O, no Ray. Every call takes ``now``; the caller keeps one
 
 The rule, and why:
 
-- **Little's law sets the limit.** With the model completing ``rate`` requests per second at
-  full load, at most ``rate * budget_s`` requests can be in flight at the model and all still
-  finish within ``budget_s``; one more and the last of them misses it. So a request with
-  ``ahead`` requests already admitted and unfinished in front of it (running or waiting at the
-  model, wherever they wait) is predicted to finish after ``overhead + (ahead + 1) / rate``,
-  where ``budget_s = slo.e2e_p99_ms - admission.overhead_ms`` (the time spent outside the model,
-  in the ingress and enrichments, is taken off first).
+- **A measured latency model sets the limit.** A request sharing the server with ``n`` requests
+  in flight (itself included) is predicted to take ``base_s + per_request_s * (n - 1)``
+  (`ServiceModel`: ``base_s`` is the unloaded latency, ``per_request_s`` what each extra request
+  in flight adds, the reciprocal of the throughput at saturation). Under batching everyone in
+  flight slows down together, so a request with ``ahead`` requests already admitted and
+  unfinished in front of it (running or waiting at the model, wherever they wait) is predicted
+  to finish after ``overhead + base_s + per_request_s * ahead``, and that same bound holds for
+  every request already in flight once it is admitted. ``budget_s = slo.e2e_p99_ms -
+  admission.overhead_ms`` (the time spent outside what the gate measures is taken off first).
 - **Classes share the budget.** Class c may use ``class_share[c] * budget_s`` (critical 1.0,
-  standard 0.8, sheddable 0.6 by default), so its concurrency cap is
-  ``max_admitted(c) = max(1, floor(class_share[c] * rate * budget_s))`` and it is admitted iff
-  ``ahead < max_admitted(c)``: one integer comparison per request. As the backlog grows,
+  standard 0.8, sheddable 0.6 by default), so its concurrency cap is ``max_admitted(c) =
+  max(1, floor((class_share[c] * budget_s - base_s) / per_request_s) + 1)`` and it is admitted
+  iff ``ahead < max_admitted(c)``: one integer comparison per request. As the backlog grows,
   sheddable is refused first, then standard; critical is admitted while any room remains. A
-  request with nothing ahead is always admitted: refusing it would help no one.
+  request with nothing ahead is always admitted: refusing it would help no one. (With a prior
+  rate and nothing measured, ``base_s = per_request_s = 1 / rate`` and the cap is Little's law,
+  ``floor(class_share[c] * rate * budget_s)``.)
 - **Refusals are honest.** A refused class that critical work could still pass gets 429
   ``class_share_exhausted``; when even critical is refused the service is ``saturated``: 503.
   ``Retry-After`` is the predicted time for the backlog to drain to where this class is admitted
-  again, ``ceil((ahead + 1 - max_admitted(c)) / rate)``, clamped to
+  again, ``ceil((ahead + 1 - max_admitted(c)) * per_request_s)``, clamped to
   ``[min_retry_after_s, max_retry_after_s]``: it grows with the backlog instead of inviting every
   refused client back at once after a constant.
 - **Late work is dropped, not computed.** Each admitted request carries ``deadline_at = now +
   e2e_p99``; `should_drop` tells the model deployment, just before the engine starts it, that it
   can no longer finish in time. Its answer would miss the SLO anyway, and computing it would
   delay the requests behind it that still can make it.
-- **The rate is measured** (`RateEstimator`): an EWMA of completions per second over windows of
-  ``rate_window_s``. A window in which the model was busy at the admission limit measures
-  capacity; any other window is limited by demand, so it can only raise the estimate. Cold start
-  uses ``prior_rate_per_s`` (default: the batch completes in half the SLO). Because the cap is
-  ``rate * budget``, the controller finds the concurrency at which latency equals the budget:
-  while latency at the current concurrency is below budget the measured rate lets the cap grow
-  past it, and above budget the cap shrinks (the fixed point of Vegas-style limits, reached
-  from the SLO instead of from a minimum RTT).
+- **The model is measured from every served request, at any load.** The gate keeps a
+  `ShareClock`: a request's own service time is its latency divided by how many requests it
+  shared the server with. Each served completion is one sample of the latency line at the
+  concurrency it saw (`ServiceModel.observe`), averaged over windows of ``rate_window_s`` and
+  folded in with weight ``rate_alpha``. A completion rate counted over windows cannot do this:
+  at low load it measures demand, not capacity, and with the few, bursty completions of LLM
+  requests (a batch finishes together) its windows are noise, which an estimate that low load
+  may only raise turns into drift upwards; admission then lets through work that cannot finish
+  in time. Cold start uses ``prior_rate_per_s`` (``1 / rate`` per request, moved by windows
+  like a measurement) or, without one, `default_prior` (alone half the SLO; a full batch in
+  the other half), a guess that the first completion measuring it replaces.
+- **Each level has its own model** (`AdmissionController.set_level`). Optional work takes the
+  same CPU as the model and shaping shortens answers, so capacity differs by level; on a level
+  change the level's own measurements apply at once.
 
 Why not Netflix Gradient2/Vegas alone: they steer a concurrency limit from the ratio of a
 long-term (or minimum) RTT to the current one, which needs a stable no-load latency. An LLM
 request's latency depends mostly on its output length, so its RTT gradient is noise; and they
 know nothing of an SLO or of classes. Admission against an explicit budget with a measured
-rate gives the same adaptive limit, reasons in the SLO's own units, and serves classes with
-one comparison.
+latency model gives the same adaptive limit (the concurrency at which latency meets the
+budget), reasons in the SLO's own units, and serves classes with one comparison.
 
 Per replica: each ingress replica keeps its own controller and counts its own requests in
 flight and its own completions; with ``n`` ingress replicas in front of ``m`` model replicas
 pass ``slots = max_num_seqs * m / n`` (`AdmissionController.from_config`'s ``share``). A stalled
-engine (no completions at all) does not lower the rate, but the cap still bounds what is
+engine (no completions at all) does not move the model, but the cap still bounds what is
 admitted meanwhile.
 
 Wiring (the ingress)::
@@ -57,9 +67,10 @@ Wiring (the ingress)::
     d = admission.decide(klass, ahead=in_flight, now=time.time())
     if not d.admitted:   # d.status 429/503, d.reason, d.retry_after_s -> Retry-After header
         ...
-    in_flight += 1                          # request["priority"] = klass.vllm_priority
-    ...; in_flight -= 1
-    admission.observe_completion(time.time(), in_flight)      # served by the model only
+    in_flight += 1; mark = share.mark(now, in_flight)   # a ShareClock; request["priority"] = klass.vllm_priority
+    ...; in_flight -= 1; end = share.mark(time.time(), in_flight)
+    admission.observe_completion(time.time(), latency_s, end - mark)   # served by the model only
+    admission.set_level(level)               # whenever the level in force changes
     # on reconfigure(): admission.update(policy.slo, policy.admission or AdmissionConfig())
     # the model deployment, before the engine starts a request:
     if should_drop(d.deadline_at, time.time()): ...            # abort, answer 503
@@ -140,67 +151,138 @@ class Decision:
     criticality: Criticality
     reason: Reason
     status: int
-    predicted_e2e_s: float  # overhead + (ahead + 1) / rate
+    predicted_e2e_s: float  # overhead + base_s + per_request_s * ahead
     max_admitted: int  # this class's concurrency cap at the time of the decision
     retry_after_s: int | None = None  # integer seconds >= 1 when refused
     deadline_at: float | None = None  # when admitted: past it the answer misses the SLO
 
 
-class RateEstimator:
-    """EWMA of the model's completion rate at full load (completions per second).
+class ShareClock:
+    """Each request's share of the service: ``V(t) = integral of dt / max(1, n(t))``.
 
-    Completions are counted over windows of ``window_s``: a window closes at the first completion
-    at least ``window_s`` after it opened, and its rate is ``completions / elapsed``. Then::
-
-        busy window:   rate += alpha * (sample - rate)      (it measured capacity)
-        other window:  same, but only if sample > rate      (demand-limited: a lower bound)
-
-    A window is busy when, at every completion in it (and the one that opened it), at least
-    ``busy_at`` requests were still in flight counting the finished one, i.e. the batch or the
-    admission limit was full the whole time. Defaults (1 s windows, alpha 0.3): a step change
-    in capacity is 90% tracked after about 6 busy seconds, while one noisy window moves the
-    estimate by under a third.
+    ``n(t)`` is the number of requests admitted and unfinished. Between two events every one of
+    them gets an equal share of the server (vLLM batches them; on CPU the enrichments share the
+    same cores), so a request's own service time is ``S = V(end) - V(start)``: its latency ``L``
+    divided by the (harmonic) mean number of requests it shared the server with. Call `mark` at
+    every change of ``n`` (an admission, a release) with the new count; it returns ``V(now)``.
     """
 
-    __slots__ = ("rate_per_s", "window_s", "alpha", "_opened_at", "_count", "_busy")
+    __slots__ = ("value", "_at", "_n")
 
-    def __init__(self, prior_rate_per_s: float, window_s: float = 1.0, alpha: float = 0.3) -> None:
-        if not (prior_rate_per_s > 0 and window_s > 0 and 0 < alpha <= 1):
+    def __init__(self) -> None:
+        self.value = 0.0
+        self._at: float | None = None
+        self._n = 0
+
+    def mark(self, now: float, in_flight: int) -> float:
+        if self._at is not None and now > self._at and self._n > 0:
+            self.value += (now - self._at) / self._n
+        if self._at is None or now > self._at:
+            self._at = now
+        self._n = max(0, in_flight)
+        return self.value
+
+
+class ServiceModel:
+    """The measured latency model: a request sharing the server with ``n`` requests (itself
+    included) takes ``base_s + per_request_s * (n - 1)``.
+
+    Why linear: each engine step costs a fixed part plus a part per sequence in the batch, and on
+    CPU the optional stages of the requests in flight take the same cores; so every extra request
+    in flight adds about ``per_request_s`` (the reciprocal of the throughput at saturation) to
+    everyone's latency, on top of the unloaded latency ``base_s``. One number (a rate) cannot say
+    both: with batching the completion rate at low load is far below the rate at full load, and
+    a rate measured in one regime mispredicts the other.
+
+    Each completion of a request the model served gives ``(L, S)`` (`ShareClock`): it shared the
+    server with ``m = L / S`` requests on average. Then, with the other parameter as it stands::
+
+        m < 1.5 (it ran about alone):  base sample = L - per_request_s * (m - 1)
+        m >= 1.5:                      per-request sample = (L - base_s) / (m - 1)
+
+    Samples are averaged over windows of ``window_s`` (a window closes at the first completion at
+    least ``window_s`` after it opened) and each window's mean moves its parameter by ``alpha``
+    (EWMA). A built-in prior (`default_prior`: a guess, possibly far off) is replaced outright by
+    the first completion that measures it; an operator's rate (`from_rate`) is trusted like a
+    measurement and moved by windows. Every completion
+    counts, at any load: there is no busy/idle distinction to get wrong, and a capacity change
+    (another level, a slower replica, a noisy neighbour) is tracked within a few windows. Even
+    with ``base_s`` still at its prior, the fitted line passes through what was measured at the
+    concurrency the service runs at, which is where the admission caps are decided.
+    """
+
+    ALONE_BELOW = 1.5  # mean sharing below this: the request ran about alone
+
+    __slots__ = ("base_s", "per_request_s", "window_s", "alpha", "_measured", "_opened_at", "_sums")
+
+    def __init__(self, base_s: float, per_request_s: float, window_s: float = 1.0, alpha: float = 0.3,
+                 trusted: bool = False) -> None:
+        if not (base_s > 0 and per_request_s > 0 and window_s > 0 and 0 < alpha <= 1):
             raise ValueError(
-                f"need prior_rate_per_s > 0, window_s > 0, 0 < alpha <= 1; "
-                f"got {prior_rate_per_s!r}, {window_s!r}, {alpha!r}"
+                f"need base_s > 0, per_request_s > 0, window_s > 0, 0 < alpha <= 1; "
+                f"got {base_s!r}, {per_request_s!r}, {window_s!r}, {alpha!r}"
             )
-        self.rate_per_s = float(prior_rate_per_s)
+        self.base_s = float(base_s)
+        self.per_request_s = float(per_request_s)
         self.window_s = window_s
         self.alpha = alpha
+        self._measured = [trusted, trusted]  # base_s, per_request_s: past their prior
         self._opened_at: float | None = None
-        self._count = 0
-        self._busy = True
+        self._sums = [0.0, 0, 0.0, 0]  # base sum, count, per-request sum, count
 
-    def cap_to(self, rate_per_s: float) -> bool:
-        """Lower the estimate to ``rate_per_s`` if it is above it (a completion proved it
-        optimistic); True if it changed."""
-        if rate_per_s <= 0 or rate_per_s >= self.rate_per_s:
+    @classmethod
+    def from_rate(cls, rate_per_s: float, window_s: float = 1.0, alpha: float = 0.3) -> ServiceModel:
+        """An operator's rate: ``1 / rate`` per request, alone or not (Little's law with requests
+        served one after another). Trusted like a measurement: windows move it by ``alpha``."""
+        if not rate_per_s > 0:
+            raise ValueError(f"need prior_rate_per_s > 0, got {rate_per_s!r}")
+        return cls(1.0 / rate_per_s, 1.0 / rate_per_s, window_s, alpha, trusted=True)
+
+    @property
+    def rate_per_s(self) -> float:
+        """Completions per second at saturation."""
+        return 1.0 / self.per_request_s
+
+    def latency_s(self, n: int) -> float:
+        """Predicted latency of a request sharing the server with ``n`` requests, itself included."""
+        return self.base_s + self.per_request_s * (max(1, n) - 1)
+
+    def copy(self) -> ServiceModel:
+        other = ServiceModel(self.base_s, self.per_request_s, self.window_s, self.alpha)
+        other._measured = list(self._measured)
+        return other
+
+    def observe(self, now: float, latency_s: float, service_s: float) -> bool:
+        """One served completion at ``now``: latency ``latency_s``, own service ``service_s``.
+        True when a window closed and the model moved."""
+        if not (latency_s > 0 and service_s > 0):
             return False
-        self.rate_per_s = rate_per_s
+        m = max(1.0, latency_s / service_s)
+        alone = m < self.ALONE_BELOW
+        if alone:
+            self._sums[0] += latency_s - self.per_request_s * (m - 1.0)
+            self._sums[1] += 1
+        else:
+            self._sums[2] += max(1e-3, (latency_s - self.base_s) / (m - 1.0))
+            self._sums[3] += 1
+        if self._opened_at is None or now < self._opened_at:  # the first one, or the clock went back
+            self._opened_at = now
+        # a built-in guess gives way to the first completion that measures it; then windows
+        if now - self._opened_at < self.window_s and self._measured[0 if alone else 1]:
+            return False
+        base_sum, base_n, per_sum, per_n = self._sums
+        if base_n:
+            self.base_s = self._fold(0, self.base_s, max(1e-3, base_sum / base_n))
+        if per_n:
+            self.per_request_s = self._fold(1, self.per_request_s, per_sum / per_n)
+        self._opened_at, self._sums = None, [0.0, 0, 0.0, 0]
         return True
 
-    def observe(self, now: float, in_flight: int, busy_at: int) -> bool:
-        """One completion at ``now``; ``in_flight`` still unfinished after it. True: rate updated."""
-        busy = in_flight + 1 >= busy_at
-        if self._opened_at is None or now < self._opened_at:  # first one, or the clock went back
-            self._opened_at, self._count, self._busy = now, 0, busy
-            return False
-        self._count += 1
-        self._busy = self._busy and busy
-        elapsed = now - self._opened_at
-        if elapsed < self.window_s:
-            return False
-        sample = self._count / elapsed
-        if self._busy or sample > self.rate_per_s:
-            self.rate_per_s += self.alpha * (sample - self.rate_per_s)
-        self._opened_at, self._count, self._busy = now, 0, busy
-        return True
+    def _fold(self, i: int, old: float, sample: float) -> float:
+        if not self._measured[i]:
+            self._measured[i] = True
+            return sample
+        return old + self.alpha * (sample - old)
 
 
 class AdmissionController:
@@ -211,22 +293,54 @@ class AdmissionController:
 
     def __init__(self, slo: SloConfig, settings: AdmissionConfig, slots: int) -> None:
         self._configure(slo, settings, slots)
-        prior = settings.prior_rate_per_s or default_prior_rate(slo, self.slots)
-        self.estimator = RateEstimator(prior, settings.rate_window_s, settings.rate_alpha)
+        self.level = 0
+        self._models: dict[int, ServiceModel] = {0: self._prior(slo, settings)}
         self._caps: tuple[int, ...] = ()
         self._recompute()
 
+    def _prior(self, slo: SloConfig, settings: AdmissionConfig) -> ServiceModel:
+        if settings.prior_rate_per_s is not None:
+            return ServiceModel.from_rate(settings.prior_rate_per_s, settings.rate_window_s, settings.rate_alpha)
+        base_s, per_request_s = default_prior(slo, self.slots)
+        return ServiceModel(base_s, per_request_s, settings.rate_window_s, settings.rate_alpha)
+
+    @property
+    def model(self) -> ServiceModel:
+        """The service model of the level in force (`set_level`)."""
+        return self._models[self.level]
+
     def update(self, slo: SloConfig, settings: AdmissionConfig, slots: int | None = None) -> None:
-        """Apply a reloaded policy, keeping the measured rate (a prior only seeds a new one),
+        """Apply a reloaded policy, keeping what was measured (a prior only seeds a new model),
         unless the policy sets a new ``prior_rate_per_s``: an operator's explicit rate restarts
         the estimate from it."""
         new_prior = settings.prior_rate_per_s
-        if new_prior is not None and new_prior != self.settings.prior_rate_per_s:
-            self.estimator = RateEstimator(new_prior, settings.rate_window_s, settings.rate_alpha)
+        restart = new_prior is not None and new_prior != self.settings.prior_rate_per_s
         self._configure(slo, settings, self.slots if slots is None else slots)
-        self.estimator.window_s = settings.rate_window_s
-        self.estimator.alpha = settings.rate_alpha
+        if restart:
+            self._models = {self.level: self._prior(slo, settings)}
+        for model in self._models.values():
+            model.window_s = settings.rate_window_s
+            model.alpha = settings.rate_alpha
         self._recompute()
+
+    def set_level(self, level: int) -> bool:
+        """The degradation level now in force; True if it changed.
+
+        Capacity depends on the level (optional work takes the same CPU as the model, and
+        shaping shortens answers), so each level keeps its own service model: on a change the
+        level's own measurements come back at once, instead of the previous level's being
+        unlearned over several windows while admission over-admits (after a step down) or
+        over-refuses (after a step up). A level never measured starts from the model in force
+        (conservative after a step up, since the higher level does less per request).
+        """
+        level = int(level)
+        if level == self.level:
+            return False
+        if level not in self._models:
+            self._models[level] = self.model.copy()
+        self.level = level
+        self._recompute()
+        return True
 
     def _configure(self, slo: SloConfig, settings: AdmissionConfig, slots: int) -> None:
         if slots < 1:
@@ -271,57 +385,45 @@ class AdmissionController:
         """
         rank = _RANK[criticality]
         cap = self._caps[rank]
-        rate = self.estimator.rate_per_s
         predicted = self.predicted_e2e_s(ahead)
         if ahead < cap:
             return Decision(True, criticality, "admitted", 200, predicted, cap,
                             deadline_at=now + self.e2e_s)
         reason: Reason = "saturated" if ahead >= self._caps[0] else "class_share_exhausted"
         return Decision(False, criticality, reason, STATUS[reason], predicted, cap,
-                        retry_after_s=self._retry_after(ahead, cap, rate))
+                        retry_after_s=self._retry_after(ahead, cap))
 
-    def _retry_after(self, ahead: int, cap: int, rate: float) -> int:
-        drain_s = (ahead + 1 - cap) / rate  # completions needed before this class fits again
+    def _retry_after(self, ahead: int, cap: int) -> int:
+        # completions needed before this class fits again, one per_request_s each
+        drain_s = (ahead + 1 - cap) * self.model.per_request_s
         lo, hi = self.settings.min_retry_after_s, self.settings.max_retry_after_s
         return min(hi, max(lo, math.ceil(drain_s - 1e-9)))
 
     # -- feedback ----------------------------------------------------------------------------
 
-    def observe_completion(self, now: float, in_flight: int, latency_s: float | None = None,
-                           ahead_at_admission: int | None = None) -> None:
-        """A request finished at ``now``; ``in_flight`` admitted requests are still unfinished.
+    def observe_completion(self, now: float, latency_s: float, service_s: float) -> None:
+        """A request the model served finished at ``now``, ``latency_s`` after its admission,
+        having had ``service_s`` of the server to itself (`ShareClock`).
 
         Feed completions of requests the model served only: an abort, an error or a
         semantic-cache answer says nothing about the model's capacity.
-
-        ``latency_s`` (admission to completion) and ``ahead_at_admission`` (the ``ahead`` it was
-        admitted with) are the request's own evidence. A request that took longer than the
-        budget proves the rate too optimistic: it was served at ``(ahead + 1) / latency_s`` at
-        best, and the estimate drops to that at once instead of waiting for windows to close
-        (a wrong prior, or a machine far slower than assumed, would otherwise keep admitting
-        work that cannot finish in time for as long as the first completions take).
         """
-        if (latency_s is not None and ahead_at_admission is not None and latency_s > self.budget_s
-                and self.estimator.cap_to((ahead_at_admission + 1) / latency_s)):
-            self._recompute()
-        # Busy: the batch is full, or the admission limit of the least important class is
-        # reached. Not critical's: with no critical traffic nothing would fill it, the estimate
-        # could then only rise, and a capacity drop (a lower level, a slower replica) would go
-        # unseen. At or past the smallest cap the completion rate is the throughput at that
-        # concurrency, so caps follow it both ways towards latency == share * budget.
-        busy_at = min(self.slots, self._caps[-1])
-        if self.estimator.observe(now, in_flight, busy_at):
+        if self.model.observe(now, latency_s, service_s):
             self._recompute()
 
     def _recompute(self) -> None:
-        room = self.estimator.rate_per_s * self.budget_s
-        self._caps = tuple(max(1, math.floor(share * room + 1e-9)) for share in self._shares)
+        # admitted iff overhead + base + per_request * ahead <= overhead + share * budget
+        base, per = self.model.base_s, self.model.per_request_s
+        self._caps = tuple(
+            max(1, math.floor((share * self.budget_s - base) / per + 1e-9) + 1) for share in self._shares
+        )
 
     # -- what the ingress reads --------------------------------------------------------------
 
     @property
     def rate_per_s(self) -> float:
-        return self.estimator.rate_per_s
+        """Completions per second at saturation (``1 / per_request_s``)."""
+        return self.model.rate_per_s
 
     def max_admitted(self, criticality: Criticality = Criticality.CRITICAL) -> int:
         """The most requests in flight at which ``criticality`` is still admitted.
@@ -332,31 +434,48 @@ class AdmissionController:
         return self._caps[_RANK[criticality]]
 
     def predicted_e2e_s(self, ahead: int) -> float:
-        return self.overhead_s + (ahead + 1) / self.estimator.rate_per_s
+        return self.overhead_s + self.model.latency_s(ahead + 1)
+
+    def drain_s(self, in_flight: int) -> float:
+        """Seconds for ``in_flight`` requests to drain at the saturation rate."""
+        return in_flight * self.model.per_request_s
 
     def signals(self, in_flight: int) -> dict[str, float]:
         """This replica's early signals for the policy actor (names from policies.config.SIGNALS).
 
-        ``predicted_wait_ms``: how long the work admitted and unfinished takes to drain at the
-        measured rate, i.e. the queueing delay a request arriving now would see. It is 0 when
-        nothing is in flight, so a level raised on it can always recover when the load is gone
-        (a prediction that included the request's own service time would stay at the unloaded
-        latency, above the recover threshold wherever that latency is a large part of the SLO).
+        ``predicted_wait_ms``: the queueing delay a request arriving now would see
+        (``per_request_s * in_flight``), on the scale of the SLO: multiplied by ``e2e /
+        (e2e - base_s)``, the SLO over the room that the unloaded latency leaves for queueing.
+        So it reaches the SLO exactly when a request arriving now would finish at the SLO,
+        whatever the unloaded latency, and a level triggered at a fraction of the SLO fires when
+        queueing has used that fraction of the room. Where one request alone takes little of the
+        SLO it is the plain queueing delay. It is 0 when nothing is in flight, so a level raised
+        on it can always recover when the load is gone.
         """
+        model = self.model
+        room_s = max(self.e2e_s - model.base_s, 0.05 * self.e2e_s)
+        wait_s = model.per_request_s * in_flight * self.e2e_s / room_s
         return {
-            "predicted_wait_ms": round(in_flight / self.estimator.rate_per_s * 1000.0, 1),
+            "predicted_wait_ms": round(wait_s * 1000.0, 1),
             "model_queued": float(max(0, in_flight - self.slots)),
         }
 
 
-def default_prior_rate(slo: SloConfig, slots: int) -> float:
-    """The cold-start rate when none is configured: a full batch completes in half the SLO.
+def default_prior(slo: SloConfig, slots: int) -> tuple[float, float]:
+    """The cold-start model when no ``prior_rate_per_s`` is configured, as ``(base_s,
+    per_request_s)``: one request alone takes half the SLO, and a full batch completes within
+    the other half (``per_request_s = e2e / 2 / slots``).
 
-    An SLO is set so that one request alone meets it comfortably; half of it for a full batch
-    admits about two batches' worth before the first measurement, and the measured rate takes
-    over within a few busy seconds.
+    An SLO is set so that one request alone meets it comfortably; these admit about one batch
+    before the first measurement, and the first completion that measures each replaces it.
     """
-    return slots / (slo.e2e_p99_ms / 2000.0)
+    e2e_s = slo.e2e_p99_ms / 1000.0
+    return e2e_s / 2.0, e2e_s / 2.0 / slots
+
+
+def default_prior_rate(slo: SloConfig, slots: int) -> float:
+    """The saturation rate of `default_prior`: a full batch in half the SLO."""
+    return 1.0 / default_prior(slo, slots)[1]
 
 
 def queue_caps(
@@ -382,9 +501,11 @@ __all__ = [
     "AdmissionController",
     "Criticality",
     "Decision",
-    "RateEstimator",
+    "ServiceModel",
+    "ShareClock",
     "STATUS",
     "classify",
+    "default_prior",
     "default_prior_rate",
     "queue_caps",
     "should_drop",

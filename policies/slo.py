@@ -16,16 +16,25 @@ The rule, and why:
             (``model_queued``,
             ``queue_length``)
   ========  ==============================  ==========================  ======================
-  1         >= 1/4 of the waiting room      >= 30% of ``e2e_p99_ms``    kv_cache_usage 0.80
+  1         >= 1/4 of the waiting room      >= 35% of ``e2e_p99_ms``    kv_cache_usage 0.80
   2         >= 1/2                          >= 50%                      kv 0.90, p95 >= 90% SLO
   3         >= 3/4                          >= 70%                      p95 >= SLO, ttft_p95 >=
                                                                         ``ttft_p99_ms``
   ========  ==============================  ==========================  ======================
 
-  With the default class shares, sheddable work is refused once the predicted wait passes
-  about 57% of a 2 s SLO (0.6 of the 1.9 s budget) and standard work about 76%: level 1 comes
-  well before any refusal, level 2 before sheddable work is refused, level 3 before standard
-  work is. The wait is 0 when nothing is in flight, so every level can recover when load is gone.
+  ``predicted_wait_ms`` (`policies.admission.AdmissionController.signals`) is the queueing delay
+  a request arriving now would see, on the SLO's scale: it reaches ``e2e_p99_ms`` when that
+  request would finish exactly at the SLO, so a fraction of the SLO here is the same fraction of
+  the room that the unloaded latency leaves for queueing, on a fast model and a slow one alike.
+  Where one request alone takes little of the SLO (2 s SLO, 0.3 s alone), sheddable work is
+  refused at about half of the room and standard at about 70%: level 1 comes before any
+  refusal, level 2 with the first sheddable ones, level 3 before standard work is refused. Where
+  one request alone takes much of it (4 s SLO, 1.5 s alone on 2 CPU cores, each request in
+  flight adding about 0.8 s), the room holds three requests: one in flight stays at level 0,
+  two raise level 2 at once and three level 3, which is what such a machine needs. Level 1 sits
+  at 35% rather than lower so that a single request in flight on such a machine (about a
+  third of the room) does not hold level 1 for as long as any traffic lasts. The wait is 0
+  when nothing is in flight, so every level can recover when load is gone.
 - **Reachable by construction.** The waiting room is ``max_waiting`` requests (default
   ``max_num_seqs``: the model deployment admits twice its batch, so at most one batch waits in
   vLLM); a queue threshold above it could never fire (the old level 3's ``queue_length: 48``
@@ -52,7 +61,7 @@ from policies.config import LEVEL_KEYS, DegradationConfig, PolicyError, SloConfi
 from policies.features import DEFAULT_DISABLE
 
 QUEUE_FRACTIONS = (0.25, 0.5, 0.75)  # of the waiting room, per level
-PREDICTED_FRACTIONS = (0.3, 0.5, 0.7)  # of e2e_p99_ms, per level
+PREDICTED_FRACTIONS = (0.35, 0.5, 0.7)  # of e2e_p99_ms, per level
 QUEUE_RECOVER_RATIO = 0.25
 PREDICTED_RECOVER_RATIO = 0.6
 DEFAULT_DWELL_S = 30.0

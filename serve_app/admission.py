@@ -3,7 +3,9 @@
 `AdmissionGate` wraps the pure rule (`policies.admission.AdmissionController`) with what only
 the ingress knows: how many requests it has admitted that have not finished yet (``in_flight``:
 from admission until the model's last token, open streams included), which of them the model
-actually served (only those feed the service-rate estimate), and the HTTP shape of a refusal.
+actually served (only those feed the service model), each request's share of the server while
+it was in flight (`policies.admission.ShareClock`), the degradation level in force (`set_level`:
+each level has its own measured model), and the HTTP shape of a refusal.
 
 A request is classified first (its key's tier once keys exist, else the policy's
 ``slo.default_class``; the ``X-Brownout-Criticality`` header may lower it, never raise it), then
@@ -32,7 +34,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from policies.admission import CRITICALITY_HEADER, AdmissionController, Criticality, Decision, classify
+from policies.admission import (
+    CRITICALITY_HEADER,
+    AdmissionController,
+    Criticality,
+    Decision,
+    ShareClock,
+    classify,
+)
 from policies.config import AdmissionConfig, DegradationConfig
 from serve_app.openai_api import RequestError
 
@@ -49,6 +58,7 @@ class Ticket:
     deadline_at: float | None  # wall-clock seconds; None when admission is off
     admitted_at: float = 0.0
     ahead: int = 0  # requests admitted and unfinished when this one was admitted
+    share_mark: float = 0.0  # the gate's ShareClock at admission: its own service time starts here
     released: bool = False
 
     @property
@@ -75,6 +85,8 @@ class AdmissionGate:
         self.enabled = False
         self.default_class = Criticality.STANDARD
         self.in_flight = 0
+        self.share = ShareClock()  # each request's share of the service, for the service model
+        self.level = 0  # the degradation level in force (`set_level`): each has its own model
         self.admitted: Counter[str] = Counter()
         self.refused: Counter[tuple[str, str]] = Counter()
 
@@ -87,6 +99,7 @@ class AdmissionGate:
             self.controller = None
         elif self.controller is None:
             self.controller = AdmissionController(slo, settings, self.max_num_seqs)
+            self.controller.set_level(self.level)
         else:
             self.controller.update(slo, settings)
         self.enabled = self.controller is not None and settings.enabled
@@ -105,7 +118,7 @@ class AdmissionGate:
             deadline_at = decision.deadline_at
         self.in_flight += 1
         self.admitted[criticality.value] += 1
-        return Ticket(criticality, deadline_at, now, ahead)
+        return Ticket(criticality, deadline_at, now, ahead, self.share.mark(now, self.in_flight))
 
     def release(self, ticket: Ticket, served: bool) -> None:
         """The request is over. ``served``: the model computed its answer to the end (only
@@ -114,9 +127,17 @@ class AdmissionGate:
             return
         ticket.released = True
         self.in_flight -= 1
+        now = self._clock()
+        mark = self.share.mark(now, self.in_flight)
         if served and self.controller is not None:
-            now = self._clock()
-            self.controller.observe_completion(now, self.in_flight, now - ticket.admitted_at, ticket.ahead)
+            self.controller.observe_completion(now, now - ticket.admitted_at, mark - ticket.share_mark)
+
+    def set_level(self, level: int) -> None:
+        """The degradation level in force, as the ingress last fetched it: admission uses that
+        level's measured service model (`AdmissionController.set_level`)."""
+        self.level = int(level)
+        if self.controller is not None:
+            self.controller.set_level(self.level)
 
     def _refusal(self, d: Decision) -> RequestError:
         reason, klass = d.reason, d.criticality.value
@@ -138,7 +159,7 @@ class AdmissionGate:
         ctl = self.controller
         if ctl is None:
             return 1
-        return max(1, math.ceil(self.in_flight / ctl.rate_per_s))
+        return max(1, math.ceil(ctl.drain_s(self.in_flight) - 1e-9))
 
     def signals(self) -> dict[str, float]:
         """Early signals for the policy actor: predicted end-to-end time, requests waiting for
@@ -153,6 +174,9 @@ class AdmissionGate:
             "in_flight": self.in_flight,
             "default_class": self.default_class.value,
             "rate_per_s": None if ctl is None else round(ctl.rate_per_s, 3),
+            "base_latency_s": None if ctl is None else round(ctl.model.base_s, 3),
+            "per_request_s": None if ctl is None else round(ctl.model.per_request_s, 3),
+            "level": self.level,
             "max_admitted": None if ctl is None else {c.value: ctl.max_admitted(c) for c in Criticality},
             "admitted": dict(self.admitted),
             "refused": {f"{c}:{r}": n for (c, r), n in sorted(self.refused.items())},

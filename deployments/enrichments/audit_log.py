@@ -8,6 +8,9 @@ is deleted. A line is never split across files; a single line larger than ``max_
 file of its own. Retention is therefore about ``max_bytes * (backups + 1)`` bytes; older records
 are deleted by design.
 
+Records hold prompts and answers: the folder is 0700 and every file 0600 from its creation on,
+whatever the umask (files from before that are made 0600 at start).
+
 File work runs in a worker thread under an `asyncio.Lock`, so concurrent calls never interleave
 their lines and the event loop never waits on an fsync.
 """
@@ -24,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from deployments.enrichments.base import Enrichment
 from deployments.enrichments.feature import Feature, Worker
-from deployments.enrichments.spool import fsync_dir
+from deployments.enrichments.spool import PRIVATE_FILE_MODE, fsync_dir, json_line, open_private, private_dir
 
 DEFAULT_FILENAME = "audit.log"
 
@@ -45,9 +48,11 @@ class AuditLog(Enrichment):
             raise ValueError(f"max_bytes must be >= 1, got {max_bytes!r}")
         if backups < 0:
             raise ValueError(f"backups must be >= 0, got {backups!r}")
-        self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.directory = private_dir(directory)
         self.path = self.directory / filename
+        for p in [self.path, *self.directory.glob(f"{filename}.*")]:
+            if p.is_file() and not p.is_symlink():
+                os.chmod(p, PRIVATE_FILE_MODE)  # written before files were private
         self.max_bytes = max_bytes
         self.backups = backups
         self._lock = asyncio.Lock()
@@ -60,7 +65,7 @@ class AuditLog(Enrichment):
     async def _call(self, feature: str, payload: dict[str, Any]) -> dict[str, Any]:
         records = payload.get("records") or []
         # Serialise first: a record that is not JSON-able fails the call before anything is written.
-        lines = [(json.dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n").encode() for r in records]
+        lines = [json_line(r) for r in records]
         if lines:
             async with self._lock:
                 await asyncio.to_thread(self._write, lines)
@@ -80,7 +85,7 @@ class AuditLog(Enrichment):
 
     def _open(self) -> IO[bytes]:
         if self._file is None:
-            self._file = open(self.path, "ab")  # noqa: SIM115 - held open across calls
+            self._file = os.fdopen(open_private(self.path, os.O_WRONLY | os.O_APPEND), "ab")
             self._size = self._file.tell()
         return self._file
 

@@ -5,6 +5,9 @@ system_prefix)``. With ``seed_demo`` an empty table is filled with ``demo_users`
 users ``user-0000``, ``user-0001``, ... (fixed seed, ``INSERT OR IGNORE``), so seeding twice, or
 from two replicas sharing the file at once, leaves exactly one row per user.
 
+The database (and SQLite's ``-journal``, ``-wal`` and ``-shm`` files, which SQLite creates with
+the database's own mode) is 0600 in a 0700 folder: it maps user ids to profiles.
+
 A lookup is one primary-key query in a worker thread; a single connection is shared by the
 worker threads under a lock (SQLite connections are not safe for concurrent use).
 """
@@ -12,6 +15,7 @@ worker threads under a lock (SQLite connections are not safe for concurrent use)
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import sqlite3
 import threading
@@ -23,6 +27,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from deployments.enrichments.base import Enrichment
 from deployments.enrichments.feature import Feature, RequestState, Worker
+from deployments.enrichments.spool import PRIVATE_FILE_MODE, open_private, private_dir
+
+_SIDE_FILES = ("-journal", "-wal", "-shm")
 
 DEMO_SEED = 20240601
 TONES = ("formal", "friendly", "terse", "playful", "patient", "technical")
@@ -63,8 +70,12 @@ class Personalization(Enrichment):
 
     def __init__(self, db_path: Path, *, seed_demo: bool = True, demo_users: int = 1000) -> None:
         super().__init__()
-        self.db_path = Path(db_path)
-        self.db_path.parent.mkdir(parents=True, exist_ok=True)
+        self.db_path = private_dir(Path(db_path).expanduser().parent) / Path(db_path).name
+        os.close(open_private(self.db_path, os.O_RDWR))  # exists, 0600, before SQLite opens it
+        for suffix in _SIDE_FILES:  # left by an older run, before files were private
+            side = self.db_path.with_name(self.db_path.name + suffix)
+            if side.is_file() and not side.is_symlink():
+                os.chmod(side, PRIVATE_FILE_MODE)
         self._lock = threading.Lock()
         self._db = sqlite3.connect(self.db_path, check_same_thread=False, timeout=30.0)
         with self._lock, self._db:
@@ -82,6 +93,10 @@ class Personalization(Enrichment):
         if not isinstance(user, str) or not user:
             return {}
         self._lookups += 1
+        try:
+            user.encode()
+        except UnicodeEncodeError:
+            return {}  # no profile has it; and SQLite's error would carry the id into a log
         row = await asyncio.to_thread(self._fetch, user)
         if row is None:
             return {}

@@ -17,6 +17,10 @@ see a record twice should deduplicate on a field of the record (e.g. ``request_i
 
 When a drain leaves nothing pending the spool file is truncated and the offset reset to 0, so the
 file only grows while a backlog exists.
+
+Records hold prompts and answers, so every file here is private: the folder is 0700 and each file
+0600 from the moment it is created, whatever the process's umask (`private_dir`, `open_private`,
+which the other enrichments that write files use too).
 """
 
 from __future__ import annotations
@@ -40,8 +44,7 @@ class DurableSpool:
     def __init__(self, directory: Path, name: str) -> None:
         if not _NAME.match(name) or name in (".", ".."):
             raise ValueError(f"spool name must match {_NAME.pattern}, got {name!r}")
-        self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.directory = private_dir(directory)
         self.name = name
         self.path = self.directory / f"{name}.spool"
         self.offset_path = self.directory / f"{name}.offset"
@@ -55,6 +58,9 @@ class DurableSpool:
 
     def _recover(self) -> tuple[int, int]:
         """Read the committed offset, drop a torn final line, count the records still pending."""
+        for path in (self.path, self.offset_path):
+            if path.exists():
+                os.chmod(path, PRIVATE_FILE_MODE)  # written before files were private
         offset = int(self.offset_path.read_text().strip() or 0) if self.offset_path.exists() else 0
         data = self.path.read_bytes() if self.path.exists() else b""
         end = data.rfind(b"\n") + 1
@@ -74,10 +80,10 @@ class DurableSpool:
 
     def append(self, record: dict[str, Any]) -> None:
         """Durably append one record. Blocking (fsync); safe to call from any thread."""
-        line = (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+        line = json_line(record)
         with self._lock:
             if self._file is None:
-                self._file = open(self.path, "ab")  # noqa: SIM115 - held open across appends
+                self._file = os.fdopen(open_private(self.path, os.O_WRONLY | os.O_APPEND), "ab")
             self._file.write(line)
             self._file.flush()
             os.fsync(self._file.fileno())
@@ -161,7 +167,7 @@ class DurableSpool:
 
     def _commit_offset(self, offset: int) -> None:
         tmp = self.offset_path.with_name(self.offset_path.name + ".tmp")
-        with open(tmp, "w") as f:
+        with os.fdopen(open_private(tmp, os.O_WRONLY | os.O_TRUNC), "w") as f:
             f.write(str(offset))
             f.flush()
             os.fsync(f.fileno())
@@ -183,6 +189,60 @@ class DurableSpool:
             if self._file is not None:
                 self._file.close()
                 self._file = None
+
+
+PRIVATE_DIR_MODE = 0o700
+PRIVATE_FILE_MODE = 0o600
+
+
+def private_dir(directory: Path | str) -> Path:
+    """``directory``, made 0700: created so (missing parents too), or an existing one chmodded.
+
+    The mode is set with ``chmod`` after ``mkdir``, so the umask cannot widen or narrow it.
+    """
+    directory = Path(directory).expanduser()
+    missing: list[Path] = []
+    p = directory
+    while not p.exists():
+        missing.append(p)
+        if p.parent == p:
+            break
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, PRIVATE_DIR_MODE)
+        except FileExistsError:  # another replica made it first: it is ours as much
+            if not d.is_dir():
+                raise
+        os.chmod(d, PRIVATE_DIR_MODE)
+    if not missing:
+        try:
+            os.chmod(directory, PRIVATE_DIR_MODE)
+        except PermissionError:
+            # Not ours (a configured shared folder): the files in it are still 0600.
+            log.warning("cannot make %s private (mode 0700): not its owner", directory)
+    return directory
+
+
+def open_private(path: Path | str, flags: int) -> int:
+    """``os.open`` of a file that is 0600 from its creation on (and an older one made 0600).
+
+    ``O_CREAT`` is added; the caller wraps the descriptor (``os.fdopen``) or closes it.
+    """
+    fd = os.open(path, flags | os.O_CREAT | os.O_CLOEXEC, PRIVATE_FILE_MODE)
+    try:
+        os.fchmod(fd, PRIVATE_FILE_MODE)  # umask-independent, and a file created before
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def json_line(record: Any) -> bytes:
+    """One JSON line, UTF-8. Text that UTF-8 cannot hold (a lone surrogate) is written as its JSON
+    escape rather than failing: the error would carry the record's text into a log."""
+    text = json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n"
+    return text.encode("utf-8", "backslashreplace")
 
 
 def fsync_dir(directory: Path) -> None:

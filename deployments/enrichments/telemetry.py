@@ -5,8 +5,13 @@
   reservoir sample (Algorithm R, ``reservoir_size`` per key, seeded so tests are repeatable).
 - ``light_metrics`` (`LightMetrics`, a separate object because it runs inside the ingress
   process: a few dict updates need no RPC): per-user request and token counters.
-- ``debug_capture``: the rendered prompt, sampling and request id of each request as one JSON
-  file in ``debug_dir``, written in a worker thread; past ``max_debug_files`` the oldest go.
+- ``debug_capture``: the rendered prompt, sampling and request id of a sample of requests as one
+  JSON file each in ``debug_dir``, written in a worker thread; past ``max_debug_files`` the
+  oldest go. Off unless configured: ``debug_sample_rate`` (0 to 1, default 0) is the fraction of
+  requests captured, chosen by a hash of the request id (`debug_sampled`), so the same request
+  is always in or out. A request sampled out is still a call the feature received (its counter
+  counts it; it is not bypassed), counted in ``debug_sampled_out``. The folder is 0700 and each
+  file 0600 from its creation on: they hold prompts and user ids.
 
 Memory is bounded: at most ``max_keys`` users are tracked; later users are folded into the key
 ``OTHER``. `stats` shows the ``top_n`` users by request count. Each feature takes
@@ -34,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from deployments.enrichments.base import Enrichment
 from deployments.enrichments.feature import Feature, Worker
+from deployments.enrichments.spool import PRIVATE_FILE_MODE, open_private, private_dir
 
 OTHER = "_other"
 _SAFE_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -70,6 +76,18 @@ def _nearest_rank(sorted_values: list[float], pct: float) -> float | None:
 def _user_key(table: dict[str, Any], user: Any, max_keys: int) -> str:
     key = str(user) if user else "anonymous"
     return key if key in table or len(table) < max_keys else OTHER
+
+
+def debug_sampled(request_id: str, rate: float) -> bool:
+    """Whether ``debug_capture`` takes the request ``request_id`` at ``rate`` (0: none, 1: all).
+
+    A hash of the id, uniform in [0, 1), below ``rate``: deterministic across calls, replicas
+    and restarts, and about ``rate`` of any set of distinct ids.
+    """
+    if rate <= 0.0:
+        return False
+    digest = hashlib.sha256(b"debug_capture:" + request_id.encode("utf-8", "backslashreplace")).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64 < rate
 
 
 def _top(table: dict[str, Any], count: Callable[[Any], int], n: int) -> list[str]:
@@ -119,15 +137,18 @@ class Telemetry(Enrichment):
         max_keys: int = 10_000,
         top_n: int = 20,
         seed: int = 0,
+        debug_sample_rate: float = 0.0,
     ) -> None:
         super().__init__()
+        if not 0.0 <= debug_sample_rate <= 1.0:  # NaN fails too
+            raise ValueError(f"debug_sample_rate must be in [0, 1], got {debug_sample_rate!r}")
         if max_debug_files < 1 or reservoir_size < 1 or max_keys < 1 or top_n < 1:
             raise ValueError(
                 "max_debug_files, reservoir_size, max_keys and top_n must be >= 1, got "
                 f"{max_debug_files!r}, {reservoir_size!r}, {max_keys!r}, {top_n!r}"
             )
-        self.debug_dir = Path(debug_dir)
-        self.debug_dir.mkdir(parents=True, exist_ok=True)
+        self.debug_dir = private_dir(debug_dir)
+        self.debug_sample_rate = float(debug_sample_rate)
         self.clock = clock
         self.max_debug_files = max_debug_files
         self.reservoir_size = reservoir_size
@@ -140,9 +161,13 @@ class Telemetry(Enrichment):
         # across restarts; the deque holds them oldest first.
         self._files_lock = threading.Lock()
         self._files: deque[Path] = deque(sorted(self.debug_dir.glob("*.json")))
+        for old in self._files:
+            if not old.is_symlink():
+                os.chmod(old, PRIVATE_FILE_MODE)  # written before files were private
         self._seq = itertools.count()
         self._captured = 0
         self._deleted = 0
+        self._sampled_out = 0
 
     async def _call(self, feature: str, payload: dict[str, Any]) -> dict[str, Any]:
         for record in payload.get("records") or []:
@@ -182,6 +207,9 @@ class Telemetry(Enrichment):
 
     async def _debug_capture(self, record: dict[str, Any]) -> None:
         request_id = str(record.get("request_id") or "")
+        if not debug_sampled(request_id, self.debug_sample_rate):
+            self._sampled_out += 1
+            return
         doc = {
             "request_id": request_id,
             "at": record.get("at"),
@@ -190,14 +218,17 @@ class Telemetry(Enrichment):
             "prompt": record.get("prompt"),
             "sampling": record.get("sampling"),
         }
-        body = json.dumps(doc, ensure_ascii=False, indent=1).encode()
-        safe_id = request_id if _SAFE_ID.match(request_id) else hashlib.sha256(request_id.encode()).hexdigest()[:16]
+        # backslashreplace: a lone surrogate is written as its JSON escape, not raised (with the text)
+        body = json.dumps(doc, ensure_ascii=False, indent=1).encode("utf-8", "backslashreplace")
+        safe_id = (request_id if _SAFE_ID.match(request_id)
+                   else hashlib.sha256(request_id.encode("utf-8", "backslashreplace")).hexdigest()[:16])
         name = f"{int(doc['captured_at'] * 1000):013d}-{next(self._seq):08d}-{safe_id}.json"
         await asyncio.to_thread(self._write_debug, self.debug_dir / name, body)
 
     def _write_debug(self, path: Path, body: bytes) -> None:
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_bytes(body)
+        with os.fdopen(open_private(tmp, os.O_WRONLY | os.O_TRUNC), "wb") as f:
+            f.write(body)
         os.replace(tmp, path)
         with self._files_lock:
             self._files.append(path)
@@ -218,6 +249,8 @@ class Telemetry(Enrichment):
             "debug_files": debug_files,
             "debug_captured": self._captured,
             "debug_deleted": self._deleted,
+            "debug_sample_rate": self.debug_sample_rate,
+            "debug_sampled_out": self._sampled_out,
         }
 
 
@@ -230,6 +263,9 @@ class TelemetrySettings(BaseModel):
     max_keys: int = Field(default=10_000, ge=1)
     top_n: int = Field(default=20, ge=1)
     seed: int = 0
+    debug_sample_rate: float = Field(
+        default=0.0, ge=0.0, le=1.0, allow_inf_nan=False,
+        description="debug_capture: the fraction of requests captured (by request id); 0: none")
 
 
 class LightMetricsSettings(BaseModel):

@@ -10,7 +10,8 @@ from policies.admission import (
     CRITICALITY_HEADER,
     AdmissionController,
     Criticality,
-    RateEstimator,
+    ServiceModel,
+    ShareClock,
     classify,
     default_prior_rate,
     queue_caps,
@@ -152,64 +153,144 @@ def test_admitted_request_deadline_is_the_slo_from_admission() -> None:
     assert should_drop(d.deadline_at, 52.2)
 
 
-# -- the rate estimator --------------------------------------------------------------------------
+# -- the service model ---------------------------------------------------------------------------
 
 
-def feed(est: RateEstimator, rate: float, seconds: float, in_flight: int, busy_at: int, t0: float = 0.0) -> float:
-    """Completions evenly spaced at ``rate`` per second for ``seconds``; returns the end time."""
-    n = int(rate * seconds)
-    for i in range(1, n + 1):
-        est.observe(t0 + i / rate, in_flight, busy_at)
-    return t0 + n / rate
+def test_share_clock_gives_each_request_its_share_of_the_server() -> None:
+    clock = ShareClock()
+    a = clock.mark(0.0, 1)  # A admitted alone
+    b = clock.mark(1.0, 2)  # B joins after 1 s: from now on they share
+    a_end = clock.mark(3.0, 1)  # A done: 1 s alone + 2 s shared = 2 s of service
+    b_end = clock.mark(4.0, 0)  # B done: 2 s shared + 1 s alone = 2 s of service
+    assert (a_end - a, b_end - b) == (pytest.approx(2.0), pytest.approx(2.0))
+    assert clock.mark(10.0, 1) == pytest.approx(b_end)  # idle time is nobody's service
 
 
-@pytest.mark.parametrize("prior, true_rate", [(50.0, 8.0), (2.0, 8.0), (8.0, 8.0), (1.0, 120.0)])
-def test_rate_estimator_converges_from_any_prior_on_busy_windows(prior: float, true_rate: float) -> None:
-    est = RateEstimator(prior, window_s=1.0, alpha=0.3)
-    feed(est, true_rate, seconds=20, in_flight=10, busy_at=8)
-    assert est.rate_per_s == pytest.approx(true_rate, rel=0.02)
+def served_at(model: ServiceModel | AdmissionController, n: int, base: float, per: float, seconds: float,
+              t0: float = 0.0) -> float:
+    """Completions of requests that each shared the server with ``n`` (themselves included) on a
+    server whose true latency line is ``base + per * (n - 1)``, one every ``per`` seconds
+    (saturation) or every latency (alone); returns the end time."""
+    latency = base + per * (n - 1)
+    gap = latency if n == 1 else per
+    t = t0
+    while t < t0 + seconds:
+        t += gap
+        if isinstance(model, ServiceModel):
+            model.observe(t, latency, latency / n)
+        else:
+            model.observe_completion(t, latency, latency / n)
+    return t
 
 
-def test_rate_estimator_idle_windows_only_raise_it() -> None:
-    est = RateEstimator(10.0, window_s=1.0, alpha=0.5)
-    end = feed(est, 2.0, seconds=10, in_flight=1, busy_at=8)  # demand-limited: says nothing
-    assert est.rate_per_s == 10.0
-    feed(est, 20.0, seconds=10, in_flight=2, busy_at=8, t0=end)  # even unsaturated, 20/s was done
-    assert est.rate_per_s == pytest.approx(20.0, rel=0.02)
+@pytest.mark.parametrize("prior_rate", [50.0, 2.0, 0.3])
+def test_service_model_learns_the_line_from_any_prior(prior_rate: float) -> None:
+    model = ServiceModel.from_rate(prior_rate)  # an operator's rate: moved window by window
+    end = served_at(model, 1, base=1.5, per=0.8, seconds=120)  # light load: the unloaded latency
+    assert model.base_s == pytest.approx(1.5)
+    served_at(model, 4, base=1.5, per=0.8, seconds=60, t0=end)  # loaded: the slope
+    assert model.per_request_s == pytest.approx(0.8, rel=0.02)
+    assert model.latency_s(4) == pytest.approx(1.5 + 3 * 0.8, rel=0.02)
 
 
-def test_rate_estimator_one_window_at_a_time() -> None:
-    est = RateEstimator(10.0, window_s=1.0, alpha=0.5)
-    assert est.observe(0.0, 9, 8) is False  # opens the first window
-    assert est.observe(0.5, 9, 8) is False
-    assert est.observe(1.0, 9, 8) is True  # 2 completions in 1 s: 10 + 0.5 * (2 - 10) = 6
-    assert est.rate_per_s == pytest.approx(6.0)
-    assert est.observe(1.5, 3, 8) is False  # not busy: this window is a lower bound only
-    assert est.observe(2.0, 9, 8) is True  # sample 2/s < 6: not lowered
-    assert est.rate_per_s == pytest.approx(6.0)
+def test_service_model_a_guess_gives_way_to_the_first_measurement_then_windows() -> None:
+    model = ServiceModel(1.0, 0.1, window_s=1.0, alpha=0.5)  # a built-in guess
+    assert model.observe(0.0, 3.0, 1.0) is True  # shared with 3: (3 - 1) / (3 - 1) = 1.0 replaces 0.1
+    assert (model.base_s, model.per_request_s) == (1.0, pytest.approx(1.0))
+    assert model.observe(1.0, 5.0, 1.0) is False  # measured now: a 1 s window opens
+    assert model.observe(2.0, 2.0, 2.0) is True  # alone: 2.0 replaces the base guess at once...
+    # ...and closes the window: the slope moves halfway to its mean sample (5 - 1) / 4 = 1.0
+    assert model.base_s == pytest.approx(2.0) and model.per_request_s == pytest.approx(1.0)
+    assert model.observe(3.0, 3.0, 3.0) is False
+    assert model.observe(3.5, 3.0, 3.0) is False
+    assert model.observe(4.0, 3.0, 3.0) is True  # now EWMA: 2 + 0.5 * (3 - 2)
+    assert model.base_s == pytest.approx(2.5)
 
 
-def test_rate_estimator_rejects_bad_settings() -> None:
-    with pytest.raises(ValueError, match=r"prior_rate_per_s > 0.*got 0"):
-        RateEstimator(0)
+def test_an_operator_rate_is_moved_by_windows_not_replaced() -> None:
+    model = ServiceModel.from_rate(10.0, window_s=1.0, alpha=0.5)
+    assert model.observe(0.0, 3.0, 1.0) is False  # opens the window
+    assert model.observe(1.0, 3.0, 1.0) is True  # slope sample (3 - 0.1) / 2 = 1.45: halfway from 0.1
+    assert model.per_request_s == pytest.approx(0.775)
 
 
-def test_measured_rate_moves_the_caps() -> None:
+def test_service_model_rejects_bad_settings() -> None:
+    with pytest.raises(ValueError, match=r"prior_rate_per_s > 0, got 0"):
+        ServiceModel.from_rate(0)
+    with pytest.raises(ValueError, match=r"need base_s > 0"):
+        ServiceModel(0, 1)
+
+
+def test_measured_model_moves_the_caps_both_ways() -> None:
     ctl = controller()  # prior 10/s: caps 20/16/12
+    end = served_at(ctl, 1, base=0.5, per=0.25, seconds=30)
+    served_at(ctl, 6, base=0.5, per=0.25, seconds=30, t0=end)
+    # admitted iff 0.5 + 0.25 * ahead <= share * 2: critical ahead <= 6, standard 4, sheddable 2
+    assert [ctl.max_admitted(k) for k in (C, S, D)] == [7, 5, 3]
+    assert ctl.rate_per_s == pytest.approx(4.0, rel=0.02)
+    served_at(ctl, 6, base=0.5, per=0.05, seconds=20, t0=100.0)  # a faster model: caps grow
+    assert ctl.max_admitted(C) >= 30
+
+
+def test_light_load_does_not_hide_the_capacity_at_full_load() -> None:
+    """The old windowed rate measured demand at light load; the model keeps the slope measured
+    under load, and light load only refines the unloaded latency."""
+    ctl = controller()
+    end = served_at(ctl, 5, base=0.5, per=0.25, seconds=20)
+    per = ctl.model.per_request_s
+    served_at(ctl, 1, base=0.5, per=0.25, seconds=60, t0=end)  # one at a time, for a minute
+    assert ctl.model.per_request_s == per and ctl.model.base_s == pytest.approx(0.5)
+
+
+def test_bursty_completions_do_not_drift_the_estimate_up() -> None:
+    """A batch finishes together: four completions within 10 ms every 4 s. Counted over 1 s
+    windows that read as 400/s; per request it is what it is: 4 sharing, 4 s each."""
+    ctl = controller()
     t = 0.0
-    for _ in range(400):  # 20 completions/s with the admission limit full
-        t += 0.05
-        ctl.observe_completion(t, in_flight=20)
-    assert ctl.rate_per_s == pytest.approx(20.0, rel=0.02)
-    # the EWMA approaches 20 from below: the caps are just under 40/32/24
-    assert [ctl.max_admitted(k) for k in (C, S, D)] in ([40, 32, 24], [39, 31, 23])
-    assert ctl.decide(C, 30, t).admitted
+    for _ in range(30):
+        t += 4.0
+        for i in range(4):
+            ctl.observe_completion(t + 0.0025 * i, 4.0, 1.0)
+    assert ctl.rate_per_s < 2.0 and ctl.max_admitted(C) <= 2
 
 
 def test_signals_for_the_policy_actor() -> None:
-    ctl = controller(slots=8)
+    ctl = controller(slots=8)  # prior: 0.1 s alone and per request, in a 2.1 s SLO
     assert ctl.signals(0) == {"predicted_wait_ms": 0.0, "model_queued": 0.0}  # idle: levels can recover
-    assert ctl.signals(12) == {"predicted_wait_ms": 1200.0, "model_queued": 4.0}
+    # 12 ahead wait 1.2 s; the SLO over the room the unloaded latency leaves: 2.1 / 2.0
+    assert ctl.signals(12) == {"predicted_wait_ms": 1260.0, "model_queued": 4.0}
+
+
+@pytest.mark.parametrize(("in_flight", "wait_ms"), [
+    (0, 0.0),
+    (1, 1280.0),  # 0.8 s of queueing in the 2.5 s room: 32% of it, on the SLO's 4 s scale
+    (2, 2560.0),
+    (3, 3840.0),  # a request arriving now would finish at 1.5 + 3 * 0.8 = 3.9 s: about the SLO
+])
+def test_predicted_wait_is_on_the_slo_scale_when_one_request_alone_takes_much_of_it(
+        in_flight: int, wait_ms: float) -> None:
+    ctl = controller(SloConfig(e2e_p99_ms=4000), AdmissionConfig(overhead_ms=100))
+    served_at(ctl, 1, base=1.5, per=0.8, seconds=10)
+    served_at(ctl, 3, base=1.5, per=0.8, seconds=10, t0=20.0)
+    assert ctl.signals(in_flight)["predicted_wait_ms"] == pytest.approx(wait_ms, rel=0.01)
+    assert ctl.predicted_e2e_s(3) == pytest.approx(0.1 + 1.5 + 3 * 0.8, rel=0.01)
+    # 0.1 + 1.5 + 0.8 * ahead <= 0.1 + share * 3.9: critical ahead <= 3, standard 2, sheddable 1
+    assert [ctl.max_admitted(k) for k in (C, S, D)] == [4, 3, 2]
+
+
+def test_each_level_keeps_its_own_model() -> None:
+    ctl = controller()
+    served_at(ctl, 5, base=0.5, per=0.4, seconds=20)  # level 0: slow
+    level0_caps = [ctl.max_admitted(k) for k in (C, S, D)]
+    assert ctl.set_level(3) and not ctl.set_level(3)
+    assert [ctl.max_admitted(k) for k in (C, S, D)] == level0_caps  # seeded from level 0
+    served_at(ctl, 5, base=0.5, per=0.2, seconds=20, t0=100.0)  # level 3: twice as fast
+    level3_caps = [ctl.max_admitted(k) for k in (C, S, D)]
+    assert level3_caps[0] > level0_caps[0]
+    ctl.set_level(0)  # back: level 0's own measurements apply at once, not level 3's
+    assert [ctl.max_admitted(k) for k in (C, S, D)] == level0_caps
+    ctl.set_level(3)
+    assert [ctl.max_admitted(k) for k in (C, S, D)] == level3_caps
 
 
 # -- construction from the policy ----------------------------------------------------------------
@@ -223,6 +304,8 @@ def test_from_config() -> None:
     assert ctl is not None and ctl.slots == 16
     # default prior: a full batch of 16 in half the SLO -> 16 / 1 s
     assert ctl.rate_per_s == pytest.approx(default_prior_rate(SloConfig(e2e_p99_ms=2000), 16)) == 16.0
+    # and alone half the SLO: 1 + 0.0625 * ahead <= 1.9 for ahead <= 14, about one batch
+    assert ctl.model.base_s == 1.0 and ctl.max_admitted(C) == 15
     half = AdmissionController.from_config(parse_policy({"slo": {"e2e_p99_ms": 2000}}), 16, share=0.5)
     assert half is not None and half.slots == 8
 
@@ -302,69 +385,25 @@ def test_classify_never_raises_a_class(base, header) -> None:  # type: ignore[no
     assert classify(base, header).rank >= base.rank
 
 
-@settings(max_examples=200, deadline=None)
-@given(prior=st.floats(0.1, 1000), true_rate=st.floats(1, 200))
-def test_rate_estimator_converges(prior, true_rate) -> None:  # type: ignore[no-untyped-def]
-    est = RateEstimator(prior, window_s=1.0, alpha=0.3)
-    feed(est, true_rate, seconds=60, in_flight=64, busy_at=16)
-    assert est.rate_per_s == pytest.approx(true_rate, rel=0.05)
-
-
-def test_update_keeps_the_measured_rate() -> None:
-    ctl = controller()
-    t = 0.0
-    for _ in range(400):
-        t += 0.05
-        ctl.observe_completion(t, in_flight=20)
-    measured = ctl.rate_per_s
-    tighter = SloConfig(e2e_p99_ms=1100)  # budget 1 s: caps halve, the rate stays
-    ctl.update(tighter, SETTINGS)
-    assert ctl.rate_per_s == measured and ctl.budget_s == pytest.approx(1.0)
-    assert ctl.max_admitted(C) == int(measured * 1.0)
-
-
 def test_classes_map_to_vllm_priority_critical_first() -> None:
     assert [k.vllm_priority for k in (C, S, D)] == [0, 1, 2]
 
 
-def test_capacity_drop_is_seen_under_standard_load_alone() -> None:
-    """Standard work fills its own cap (16 here), never critical's (20): those windows still
-    measure capacity, so a slower model (5/s instead of 10/s) lowers the caps."""
-    ctl = controller(slots=32)
-    t = 0.0
-    for _ in range(200):  # 5 completions/s with 13 still in flight: past sheddable's cap of 12
-        t += 0.2
-        ctl.observe_completion(t, in_flight=13)
-    assert ctl.rate_per_s == pytest.approx(5.0, rel=0.05)
-    assert [ctl.max_admitted(k) for k in (C, S, D)] in ([10, 8, 6], [9, 7, 5], [10, 8, 5])
-
-
-def test_light_load_below_every_cap_does_not_lower_the_rate() -> None:
-    ctl = controller(slots=32)
-    t = 0.0
-    for _ in range(100):  # 2 completions/s, 3 in flight: demand-limited
-        t += 0.5
-        ctl.observe_completion(t, in_flight=3)
-    assert ctl.rate_per_s == 10
-
-
-@pytest.mark.parametrize(("latency_s", "ahead", "rate_after"), [
-    (1.5, 9, 10.0),   # within the 2 s budget: no evidence against the rate
-    (4.0, 9, 2.5),    # 10 requests (9 ahead + itself) in 4 s: 2.5/s at best
-    (20.0, 23, 1.2),  # a machine far slower than the prior: one completion corrects it
-    (4.0, 99, 10.0),  # slow, but with 100 in front it was served faster than the estimate
-])
-def test_a_completion_past_the_budget_caps_the_rate_at_once(latency_s: float, ahead: int, rate_after: float) -> None:
-    ctl = controller()  # 10/s prior, 2 s budget
-    ctl.observe_completion(100.0, in_flight=0, latency_s=latency_s, ahead_at_admission=ahead)
-    assert ctl.rate_per_s == pytest.approx(rate_after)
-    assert ctl.max_admitted(C) == max(1, int(rate_after * 2.0 + 1e-9))
+def test_update_keeps_the_measured_model() -> None:
+    ctl = controller()
+    served_at(ctl, 5, base=0.5, per=0.25, seconds=20)
+    measured = ctl.rate_per_s
+    tighter = SloConfig(e2e_p99_ms=1100)  # budget 1 s: caps shrink, the model stays
+    ctl.update(tighter, SETTINGS)
+    assert ctl.rate_per_s == measured and ctl.budget_s == pytest.approx(1.0)
+    assert ctl.max_admitted(C) == 3  # 0.5 + 0.25 * ahead <= 1: ahead <= 2
 
 
 def test_update_with_a_new_explicit_prior_restarts_the_estimate() -> None:
-    ctl = controller()
-    ctl.observe_completion(1.0, in_flight=0, latency_s=10.0, ahead_at_admission=0)  # 0.1/s
-    ctl.update(SLO, SETTINGS)  # same prior: the measured rate stays
-    assert ctl.rate_per_s == pytest.approx(0.1)
+    guess = SETTINGS.model_copy(update={"prior_rate_per_s": None})
+    ctl = controller(settings_=guess)
+    served_at(ctl, 1, base=10.0, per=10.0, seconds=30)  # 10 s alone
+    ctl.update(SLO, guess)  # no new prior: the measured model stays
+    assert ctl.model.base_s == pytest.approx(10.0)
     ctl.update(SLO, SETTINGS.model_copy(update={"prior_rate_per_s": 4.0}))
     assert ctl.rate_per_s == 4.0 and ctl.max_admitted(C) == 8

@@ -78,24 +78,50 @@ def test_header_lowers_never_raises_and_a_bad_value_is_a_400_naming_it() -> None
     assert "unknown class 'urgent'" in err.value.message
 
 
-def test_release_is_idempotent_and_only_served_requests_measure_the_rate() -> None:
+def test_release_is_idempotent_and_only_served_requests_measure_the_model() -> None:
     clock = FakeClock()
     g = AdmissionGate(max_num_seqs=16, clock=clock)
-    g.configure(parse_policy(SLO_POLICY))
+    # the built-in prior (a guess: 1 s alone, 1/16 s per request) gives way to measurements;
+    # switched off, admission admits everything and goes on measuring
+    g.configure(parse_policy({**SLO_POLICY, "admission": {"overhead_ms": 100, "enabled": False}}))
     t = g.admit(None)
     g.release(t, served=False)
     g.release(t, served=True)
     assert g.in_flight == 0
 
-    def finish_at_30_per_s(served: bool) -> None:
-        for _ in range(41):  # the first completion opens the window; 1.33 s at 30/s
-            clock.advance(1 / 30)
-            g.release(g.admit(None), served=served)
+    def two_at_a_time(served: bool) -> None:
+        for _ in range(10):  # pairs admitted together, 3 s each: 1.5 s of service apiece
+            pair = [g.admit(None), g.admit(None)]
+            clock.advance(3.0)
+            for ticket in pair:
+                g.release(ticket, served=served)
 
-    finish_at_30_per_s(served=False)  # aborts and errors say nothing about capacity
-    assert g.controller.rate_per_s == 10
-    finish_at_30_per_s(served=True)
-    assert g.controller.rate_per_s > 10
+    two_at_a_time(served=False)  # aborts and errors say nothing about capacity
+    assert g.controller.rate_per_s == 16
+    two_at_a_time(served=True)
+    # shared by 2, 3 s each, 1 s alone (the prior): (3 - 1) / (2 - 1) = 2 s per request
+    assert g.controller.model.per_request_s == pytest.approx(2.0)
+    assert g.state()["per_request_s"] == 2.0 and g.drain_s() == 1
+    fill(g, 2)
+    assert g.drain_s() == 4
+
+
+def test_the_level_in_force_selects_its_own_model() -> None:
+    clock = FakeClock()
+    g = AdmissionGate(max_num_seqs=16, clock=clock)
+    g.set_level(2)  # before any policy: remembered
+    g.configure(parse_policy(SLO_POLICY))
+    assert g.controller.level == 2 and g.state()["level"] == 2
+    for _ in range(5):
+        pair = [g.admit(None), g.admit(None)]
+        clock.advance(1.0)
+        for ticket in pair:
+            g.release(ticket, served=True)
+    slow = g.controller.max_admitted(Criticality.CRITICAL)
+    g.set_level(0)  # level 0 never measured here: its prior (10/s) applies
+    assert g.controller.max_admitted(Criticality.CRITICAL) == 19 > slow
+    g.set_level(2)
+    assert g.controller.max_admitted(Criticality.CRITICAL) == slow
 
 
 def test_reload_keeps_the_gate_and_can_turn_admission_off() -> None:

@@ -200,7 +200,7 @@ def test_derived_policy_from_the_slo_alone() -> None:
     from policies.slo import derive_policy
 
     cfg = derive_policy(parse_policy({"slo": {"e2e_p99_ms": 2000, "ttft_p99_ms": 800}}), max_num_seqs=16)
-    assert cfg.trigger_thresholds(1) == {"model_queued": 4, "queue_length": 4, "predicted_wait_ms": 600,
+    assert cfg.trigger_thresholds(1) == {"model_queued": 4, "queue_length": 4, "predicted_wait_ms": 700,
                                          "kv_cache_usage": 0.8}
     assert cfg.trigger_thresholds(2) == {"model_queued": 8, "queue_length": 8, "predicted_wait_ms": 1000,
                                          "kv_cache_usage": 0.9, "p95_latency_ms": 1800}

@@ -372,7 +372,7 @@ def test_light_metrics_counts_and_stats_are_bounded() -> None:
 
 def test_debug_capture_writes_one_file_per_request_and_keeps_the_newest(tmp_path: Path) -> None:
     clock = FakeClock()
-    t = Telemetry(tmp_path, clock=clock, max_debug_files=5)
+    t = Telemetry(tmp_path, clock=clock, max_debug_files=5, debug_sample_rate=1.0)
     for i in range(8):
         clock.now += 1
         run(t.call("debug_capture", batch(record(i))))
@@ -384,7 +384,7 @@ def test_debug_capture_writes_one_file_per_request_and_keeps_the_newest(tmp_path
     assert docs[0]["prompt"] == "<s>question number 4</s>" and docs[0]["sampling"]["max_tokens"] == 32
     assert t.stats()["debug_files"] == 5 and t.stats()["debug_deleted"] == 4
     # A restarted replica picks up the files already there and keeps pruning them.
-    t2 = Telemetry(tmp_path, clock=clock, max_debug_files=5)
+    t2 = Telemetry(tmp_path, clock=clock, max_debug_files=5, debug_sample_rate=1.0)
     clock.now += 1
     run(t2.call("debug_capture", batch(record(9))))
     assert len(list(tmp_path.iterdir())) == 5
