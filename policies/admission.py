@@ -202,7 +202,8 @@ class ServiceModel:
 
     Samples are averaged over windows of ``window_s`` (a window closes at the first completion at
     least ``window_s`` after it opened) and each window's mean moves its parameter by ``alpha``
-    (EWMA). A built-in prior (`default_prior`: a guess, possibly far off) is replaced outright by
+    (EWMA; twice ``alpha`` when the window says service got slower: over-admitting costs
+    the SLO of every request in flight, under-admitting a few refusals). A built-in prior (`default_prior`: a guess, possibly far off) is replaced outright by
     the first completion that measures it; an operator's rate (`from_rate`) is trusted like a
     measurement and moved by windows. Every completion
     counts, at any load: there is no busy/idle distinction to get wrong, and a capacity change
@@ -282,7 +283,10 @@ class ServiceModel:
         if not self._measured[i]:
             self._measured[i] = True
             return sample
-        return old + self.alpha * (sample - old)
+        # slower service moves the estimate twice as fast as faster service: admitting too
+        # much costs the SLO of everyone in flight, admitting too little only a few refusals
+        alpha = min(1.0, 2.0 * self.alpha) if sample > old else self.alpha
+        return old + alpha * (sample - old)
 
 
 class AdmissionController:
