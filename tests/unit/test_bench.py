@@ -441,3 +441,35 @@ def test_only_names_known_runs() -> None:
 
     with pytest.raises(SystemExit, match="unknown run"):
         overload.main(["--only", "pinned9"])
+
+
+# -- bench/c0_compare.py's pure helpers ----------------------------------------------------------
+
+def test_c0_compare_order_config_and_summary() -> None:
+    from bench import c0_compare as cc
+
+    assert cc.run_order(2) == ["before", "after", "before", "after"]
+
+    def config(policy: dict) -> dict:  # type: ignore[type-arg]
+        return {"http_options": {"port": 8000}, "applications": [{"args": {"model": {"dtype": "auto"}}, "deployments": [
+            {"name": "Ingress", "user_config": {"policy": {"degradation": policy}}}]}]}
+
+    old = config({"level1": {}})
+    new, has_admission = cc.patch_config(old, 1234, "data", 4000.0)
+    assert not has_admission and old["http_options"]["port"] == 8000  # the input is not changed
+    assert new["http_options"]["port"] == 1234 and new["applications"][0]["args"]["model"]["dtype"] == "float32"
+    assert new["applications"][0]["args"]["enrichments"]["data_dir"] == "data"
+    assert "admission" not in new["applications"][0]["deployments"][0]["user_config"]["policy"]["degradation"]
+    new, has_admission = cc.patch_config(config({"slo": {"e2e_p99_ms": 2000}}), 1, "d", 4000.0)
+    degradation = new["applications"][0]["deployments"][0]["user_config"]["policy"]["degradation"]
+    assert has_admission and degradation["slo"]["e2e_p99_ms"] == 4000.0 and degradation["admission"] == {"enabled": False}
+
+    runs = [{"side": "before", "c0_rps": 0.5, "unloaded": {"unloaded_e2e_ms_p50": 1500.0}},
+            {"side": "after", "c0_rps": 0.6, "unloaded": {}}, {"side": "before", "c0_rps": 0.7},
+            {"side": "after", "failed": "x"}]
+    s = cc.summarize(runs)
+    assert s["before"]["median_c0_rps"] == 0.6 and s["after"]["c0_rps"] == [0.6]
+    assert s["ratio_after_over_before"] == 1.0 and s["before"]["median_unloaded_e2e_ms_p50"] == 1500.0
+    assert cc.summarize([])["ratio_after_over_before"] is None
+    assert cc.pair_fits(0.0, [], 10.0) and cc.pair_fits(100.0, [200.0, 300.0], 700.0)
+    assert not cc.pair_fits(101.0, [200.0, 300.0], 700.0)
