@@ -34,6 +34,12 @@ import httpx
 
 MODEL = "brownout-tiny"
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: make the repository importable
+    sys.path.insert(0, str(ROOT))
+
+from bench.secrets import env_headers, local_secrets  # noqa: E402
+
+HEADERS: dict[str, str] = {}  # the private app's key and admin token (local_app), if any
 
 
 def admin_state(client: httpx.Client) -> dict[str, Any]:
@@ -97,7 +103,7 @@ def measure(client: httpx.Client, level: int, requests: int, rng: random.Random)
 
 def run(url: str, requests: int) -> list[dict[str, Any]]:
     rng = random.Random(20261130)
-    with httpx.Client(base_url=url, timeout=120) as client:
+    with httpx.Client(base_url=url, timeout=120, headers=HEADERS or env_headers()) as client:
         try:
             return [measure(client, level, requests, rng) for level in (0, 3)]
         finally:
@@ -120,7 +126,9 @@ def local_app() -> tuple[str, Any]:
     ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=str(tmp / "ray"),
              log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(BrownoutArgs(enrichments={"data_dir": str(tmp / "data")})), name="brownout",
+    auth, headers = local_secrets(tmp / "secrets")
+    HEADERS.update(headers)
+    serve.run(build_app(BrownoutArgs(enrichments={"data_dir": str(tmp / "data")}, auth=auth)), name="brownout",
               route_prefix="/")
 
     def cleanup() -> None:

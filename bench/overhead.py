@@ -37,6 +37,9 @@ ENGINE = {"max_num_seqs": 16, "max_model_len": 1024, "enforce_eager": True, "dty
 MODEL_NAME = "brownout-tiny"
 
 
+HEADERS: dict[str, str] = {}  # the key and admin token of the private apps (`deploy`)
+
+
 def deploy(port: int, model_dir: str, data_dir: str) -> None:
     from ray import serve
     from ray.serve.llm import LLMConfig, build_openai_app
@@ -45,9 +48,13 @@ def deploy(port: int, model_dir: str, data_dir: str) -> None:
 
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     model = ModelArgs(source=model_dir, served_model_name=MODEL_NAME, kv_cache_space_gib=1, **ENGINE)
-    core = build_app(BrownoutArgs(model=model, enrichments={"enabled": False}))
+    from bench.secrets import local_secrets
+
+    auth, headers = local_secrets(Path(data_dir) / "secrets")
+    HEADERS.update(headers)  # the built-in app ignores them
+    core = build_app(BrownoutArgs(model=model, enrichments={"enabled": False}, auth=auth))
     serve.run(core, name="core", route_prefix="/core")
-    full = build_app(BrownoutArgs(model=model, enrichments={"enabled": True, "data_dir": data_dir}))
+    full = build_app(BrownoutArgs(model=model, enrichments={"enabled": True, "data_dir": data_dir}, auth=auth))
     serve.run(full, name="full", route_prefix="/full")
     builtin_cfg = LLMConfig(
         model_loading_config={"model_id": MODEL_NAME, "model_source": model_dir},
@@ -97,7 +104,7 @@ def main() -> None:
         urls = {name: f"{base}/{name}/v1/chat/completions" for name in ("builtin", "core", "full")}
         lat: dict[str, list[float]] = {k: [] for k in urls}
         names = list(urls)
-        with httpx.Client(timeout=120) as client:
+        with httpx.Client(timeout=120, headers=HEADERS) as client:
             for w in range(args.warmup):
                 for url in urls.values():
                     one(client, url, args.max_tokens, -1 - w)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import math
 import json
 import logging
 import time
@@ -168,6 +169,8 @@ class PolicyCore:
         """Pin a level, or force one feature on/off; ``ttl_s`` None means until cleared."""
         now = self.clock()
         try:
+            if ttl_s is not None and not (0 < ttl_s < math.inf):
+                raise ValueError(f"ttl_s: {ttl_s!r} must be a finite number of seconds > 0 (or None: until cleared)")
             if (level is None) == (feature is None):
                 raise ValueError("give exactly one of 'level' or 'feature'")
             if level is not None:

@@ -25,6 +25,27 @@ if ! .venv/bin/ray get-auth-token >/dev/null 2>&1; then
   chmod 600 "$HOME/.ray/auth_token" 2>/dev/null || true
 fi
 
+# The service's own secrets (serve_app/security.py): an API key for this machine's user and the
+# admin token, each 0600 in a 0700 folder, created once. Only the key's hash is in the keys file.
+read -r API_KEYS KEYS_FILE ADMIN_FILE < <(.venv/bin/python -c "
+import yaml; a = yaml.safe_load(open('serve_config.yaml'))['applications'][0]['args'].get('auth', {})
+print(a.get('api_keys', 'required'), a.get('keys_file', '~/.config/brownout/keys.yaml'),
+      a.get('admin_token_file') or '-')")
+KEYS_FILE="${KEYS_FILE/#\~/$HOME}"
+ADMIN_FILE="${ADMIN_FILE/#\~/$HOME}"
+KEY_FILE="$(dirname "$KEYS_FILE")/api_key"
+if [ "$API_KEYS" = "disabled" ]; then
+  echo "brownout: WARNING: auth.api_keys is 'disabled' in serve_config.yaml: anyone who reaches the port"
+  echo "          is served, with no rate limit per key. For a local demo only."
+elif [ ! -s "$KEY_FILE" ]; then
+  .venv/bin/python -m serve_app.security add-key --file "$KEYS_FILE" --tenant local --tier standard \
+    --id "local-$(id -un)" --key-out "$KEY_FILE" >/dev/null
+  echo "brownout: created an API key for you: $KEY_FILE (its hash is in $KEYS_FILE)"
+fi
+if [ "$ADMIN_FILE" != "-" ]; then
+  .venv/bin/python -m serve_app.security admin-token --file "$ADMIN_FILE" >/dev/null
+fi
+
 if .venv/bin/ray status --address "127.0.0.1:${BROWNOUT_GCS_PORT:-6380}" >/dev/null 2>&1 && healthy; then
   echo "brownout: already serving on http://127.0.0.1:$HTTP_PORT (left as it is; \`make stop\` ends it,"
   echo "          \`.venv/bin/serve deploy serve_config.yaml --address $DASH_URL\` applies a changed config)"
@@ -62,12 +83,18 @@ cat <<MSG
 Brownout is serving on http://127.0.0.1:$HTTP_PORT (Ray dashboard http://127.0.0.1:$DASHBOARD_PORT,
 Prometheus metrics http://127.0.0.1:$METRICS_PORT/metrics).
 
+Your API key is in $KEY_FILE (send it as 'Authorization: Bearer <key>'); the admin
+API's token is in $ADMIN_FILE (send it as 'X-Brownout-Admin-Token: <token>').
+
   curl -s http://127.0.0.1:$HTTP_PORT/v1/chat/completions -H 'Content-Type: application/json' \\
+    -H "Authorization: Bearer \$(cat $KEY_FILE)" \\
     -d '{"model": "brownout-tiny", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}'
 
   .venv/bin/python - <<'PY'
+  from pathlib import Path
   from openai import OpenAI
-  client = OpenAI(base_url="http://127.0.0.1:$HTTP_PORT/v1", api_key="unused")
+  key = Path("$KEY_FILE").read_text().strip()
+  client = OpenAI(base_url="http://127.0.0.1:$HTTP_PORT/v1", api_key=key)
   for chunk in client.chat.completions.create(model="brownout-tiny", stream=True,
           messages=[{"role": "user", "content": "Hello!"}], max_tokens=32):
       print(chunk.choices[0].delta.content or "", end="", flush=True)

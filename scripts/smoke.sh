@@ -94,11 +94,26 @@ check_sdk() {
 check_stream() {
   local out="$work/stream.out"
   curl -sS -N --max-time 120 "http://127.0.0.1:$HTTP_PORT/v1/chat/completions" \
-    -H 'Content-Type: application/json' \
+    -H 'Content-Type: application/json' -H "Authorization: Bearer $(cat "$HOME/.config/brownout/api_key")" \
     -d '{"model": "brownout-tiny", "stream": true, "max_tokens": 16,
          "messages": [{"role": "user", "content": "Tell me something."}]}' >"$out"
   grep -q '"content":"[^"]' "$out" || { echo "no content chunk:"; cat "$out"; return 1; }
   [ "$(grep -v '^$' "$out" | tail -n 1)" = "data: [DONE]" ] || { echo "stream did not end with [DONE]:"; tail -n 3 "$out"; return 1; }
+}
+
+check_closed() {
+  # no key: 401; the admin API without its token: 401; with the README's token: 200
+  local code
+  code=$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$HTTP_PORT/v1/chat/completions" \
+    -H 'Content-Type: application/json' -d '{"model": "brownout-tiny", "messages": [{"role": "user", "content": "x"}]}')
+  [ "$code" = 401 ] || { echo "no API key: expected 401, got $code"; return 1; }
+  code=$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$HTTP_PORT/admin/brownout")
+  [ "$code" = 401 ] || { echo "admin API without token: expected 401, got $code"; return 1; }
+  bash -c "$(readme_block admin)" | .venv/bin/python -c '
+import json, sys
+doc, _ = json.JSONDecoder().raw_decode(sys.stdin.read())
+assert "level" in doc, doc
+print("admin: level", doc["level"])'
 }
 
 check_second_serve() {
@@ -128,6 +143,7 @@ step "make serve" make -s serve
 step "make serve (again)" check_second_serve
 step "README curl" check_curl
 step "README openai SDK" check_sdk
+step "no key 401, admin closed" check_closed
 step "streamed [DONE]" check_stream
 step "README actor snippet" check_actor
 step "make stop" make -s stop

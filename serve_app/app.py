@@ -22,6 +22,7 @@ from deployments.model import VLLMModel
 from policies.config import DEFAULT_POLICY_PATH, parse_policy
 from policies.slo import fit_policy
 from serve_app.ingress import Ingress, IngressLimits, PipelineSettings
+from serve_app.security import AuthSettings
 
 EMBEDDED_MODEL = "embedded:tiny"
 
@@ -88,7 +89,10 @@ class BrownoutArgs(BaseModel):
     limits: IngressLimits = Field(default_factory=IngressLimits)
     enrichments: EnrichmentArgs = Field(default_factory=EnrichmentArgs)
     pipeline: PipelineSettings = Field(default_factory=PipelineSettings)
-    admin_token: str | None = Field(default=None, description="if set, the admin API needs it as a Bearer token")
+    auth: AuthSettings = Field(
+        default_factory=AuthSettings,
+        description="API keys (required unless set to 'disabled'), per-key rate limits, the admin token",
+    )
     policy: dict[str, Any] | None = Field(
         default=None,
         description="initial policy (the Ingress user_config); default configs/degradation.yaml. "
@@ -174,7 +178,7 @@ def build_app(args: BrownoutArgs) -> Application:
         local_workers=local,
         pipeline=args.pipeline,
         spool_dir=str(Path(args.enrichments.data_dir).expanduser() / "spool"),
-        admin_token=args.admin_token,
+        auth=args.auth,
         model_slots=m.max_num_seqs,
     )
     return ingress

@@ -37,7 +37,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from deployments.engine import SAMPLING_KEYS
 from deployments.enrichments.base import Enrichment, Outcome, run_calls
-from deployments.enrichments.feature import RequestState
+from deployments.enrichments.feature import ANONYMOUS, RequestState
 from deployments.enrichments.registry import features as feature_impls
 from deployments.enrichments.registry import workers
 from deployments.enrichments.spool import DurableSpool
@@ -50,6 +50,7 @@ from policies.features import PolicyView
 from policies.shaping import NO_SHAPING, REQUEST_FIELDS, SHAPED_HEADER, TOKEN_CAP_FIELDS, ShapingPlan, shape
 from policies.slo import fit_policy
 from serve_app.admission import AdmissionGate, Ticket
+from serve_app.breaker import BreakerSettings
 from serve_app.openai_api import (
     SSE_DONE,
     ChatCompletionRequest,
@@ -66,6 +67,7 @@ from serve_app.openai_api import (
     usage,
 )
 from serve_app.pipeline import BatchCall, Pipeline
+from serve_app.security import AdminGuard, AuthSettings, KeyRecord, KeyStore, RateLimits, read_body
 
 logger = logging.getLogger("ray.serve")
 
@@ -103,6 +105,8 @@ class PipelineSettings(BaseModel):
     refresh_s: float = Field(default=0.25, gt=0, description="how often the level is refreshed")
     report_s: float = Field(default=0.25, gt=0, description="how often signals are reported")
     drain_s: float = Field(default=1.0, gt=0, description="how often deferred records are drained")
+    breaker: BreakerSettings = Field(default_factory=BreakerSettings,
+                                     description="each feature's circuit breaker (serve_app/breaker.py)")
 
 
 class OverrideBody(BaseModel):
@@ -111,8 +115,9 @@ class OverrideBody(BaseModel):
     level: int | None = Field(default=None, ge=0, le=3)
     feature: str | None = None
     enabled: bool | None = None
-    ttl_s: float | None = Field(default=None, gt=0)
-    note: str = ""
+    # required and finite: a pin or override that never expires is a clear operator mistake
+    ttl_s: float = Field(gt=0, allow_inf_nan=False, description="seconds; at most auth.max_override_ttl_s")
+    note: str = Field(default="", max_length=500)
 
 
 api = FastAPI(title="Brownout", description="OpenAI-compatible LLM serving with graceful degradation")
@@ -211,7 +216,7 @@ class Ingress:
         local_workers: Mapping[str, Mapping[str, Any]] | None = None,
         pipeline: PipelineSettings | dict[str, Any] | None = None,
         spool_dir: str | None = None,
-        admin_token: str | None = None,
+        auth: AuthSettings | dict[str, Any] | None = None,
         policy_link: ActorLink | None = None,
         model_slots: int = 16,
     ) -> None:
@@ -222,7 +227,14 @@ class Ingress:
         self.limits = IngressLimits.model_validate(limits or {})
         self.settings = PipelineSettings.model_validate(pipeline or {})
         self.created = int(time.time())
-        self.admin_token = admin_token
+        # The core path's guards (`serve_app.security`): never switched off by a level.
+        self.auth = AuthSettings.model_validate(auth if auth is not None else {})
+        self.keys = KeyStore(self.auth.keys_file) if self.auth.api_keys == "required" else None
+        self.rates = RateLimits(self.auth.default_rate)
+        self.admin_guard = AdminGuard(self.auth.admin_token_file)
+        auth_refusals = ServeCounter("brownout_auth_refusals", "Requests refused by the core path's guards",
+                                     tag_keys=("reason",))
+        self._auth_refused = lambda reason: auth_refusals.inc(tags={"reason": reason})
         handles = dict(enrichments or {})
         local_settings = {k: dict(v) for k, v in (local_workers or {}).items()}
         # The features this app runs: hosted ones whose deployment was bound, and the ingress's own.
@@ -244,6 +256,7 @@ class Ingress:
             default_timeout_s=self.settings.stage_timeout_s,
             settings=local_settings,
             on_outcome=lambda feature, outcome: outcomes.inc(tags={"feature": feature, "outcome": outcome}),
+            breaker=self.settings.breaker,
         )
         self.view = PolicyView.all_on()
         self.view_fetched_at = 0.0
@@ -332,11 +345,8 @@ class Ingress:
     # -- request helpers -----------------------------------------------------------------------
 
     async def _parse(self, request: Request, schema: type) -> Any:
-        length = request.headers.get("content-length")
-        if length and length.isdigit() and int(length) > self.limits.max_body_bytes:
-            # refuse before reading the body at all
-            raise body_too_large(int(length), self.limits.max_body_bytes)
-        body = parse_body(await request.body(), schema, self.limits.max_body_bytes)
+        raw = await read_body(request, self.limits.max_body_bytes, self.auth.body_read_timeout_s)
+        body = parse_body(raw, schema, self.limits.max_body_bytes)
         if body.model != self.served_model_name:
             raise RequestError(404, f"model {body.model!r} does not exist; available: "
                                f"{self.served_model_name!r}", "model", kind="not_found_error")
@@ -350,8 +360,29 @@ class Ingress:
                                f"{self.limits.max_tokens_limit} (max_tokens_limit)", field)
         return requested
 
+    def _authenticate(self, request: Request) -> KeyRecord | None:
+        """The request's API key record (None when keys are disabled by config), or a 401."""
+        if self.keys is None:
+            return None
+        try:
+            return self.keys.authenticate(request.headers.get("authorization"))
+        except RequestError:
+            self._auth_refused("invalid_key")
+            raise
+
+    def _rate_limit(self, key: KeyRecord, ctx: RequestState, body: Any) -> None:
+        """Charge one request and its completion tokens (max_tokens as shaped, times n) to the key."""
+        tokens = int(ctx.sampling.get("max_tokens") or 0) * max(1, int(getattr(body, "n", None) or 1))
+        check = self.rates.check(key, tokens)
+        if check.retry_after_s is not None:
+            self._auth_refused("rate_limited")
+            raise RequestError(429, f"rate limit of API key {key.id!r} reached; retry in {check.retry_after_s} s",
+                               None, kind="rate_limit_error", code="rate_limit_exceeded",
+                               headers={**check.headers, "Retry-After": str(check.retry_after_s)})
+        ctx.headers_out.update(check.headers)
+
     def _context(self, body: Any, messages: list[dict[str, str]] | None, prompt: str | None,
-                 max_tokens: int) -> RequestState:
+                 max_tokens: int, tenant: str = "anonymous") -> RequestState:
         text = prompt if prompt is not None else "".join(m["content"] for m in messages or [])
         if len(text) > self.limits.max_prompt_chars:
             field = "prompt" if prompt is not None else "messages"
@@ -360,7 +391,10 @@ class Ingress:
         sampling = {k: getattr(body, k) for k in SAMPLING_FIELDS}
         sampling["max_tokens"] = max_tokens
         return RequestState(
-            request_id=_request_id(), user=body.user, messages=messages, prompt=prompt,
+            # the engine's id is ours alone: a client's X-Request-ID (Serve's request id) is only
+            # echoed and logged, so no client can name, and abort, another's request
+            request_id=uuid.uuid4().hex, client_request_id=_request_id(), tenant=tenant,
+            user=body.user, messages=messages, prompt=prompt,
             sampling=sampling, explicit=frozenset(body.model_fields_set) & set(SAMPLING_FIELDS),
             view=self.view, key_text=_key_text(messages, prompt),
         )
@@ -483,7 +517,7 @@ class Ingress:
                 release(True)  # the model is done with it: a completion that measures its rate
         except Exception as err:  # noqa: BLE001 - headers are sent; report in-band
             release(False)
-            logger.warning("stream %s failed: %r", rid, err)
+            logger.warning("stream %s failed: %s", rid, type(err).__name__)  # no request text in logs
             yield sse(RequestError(500, "generation failed", None, kind="server_error").body())
             return
         if include_usage:
@@ -497,9 +531,11 @@ class Ingress:
     async def _handle(self, request: Request, chat: bool) -> Response:
         """Validate, shape, admit (or refuse at once), then serve.
 
-        Order matters: a bad request is a 400 whatever the load; shaping may refuse a field the
-        level does not serve; admission comes last, before any enrichment or model work, so a
-        refusal costs nothing but the parse.
+        Order matters: the API key first (a 401 reads no body); then a bad request is a 400
+        whatever the load; shaping may refuse a field the level does not serve; the key's rate
+        limits charge the request as shaped; admission comes last, before any enrichment or
+        model work, so a refusal costs nothing but the parse. No level skips the key or its
+        limits.
         """
         started = time.monotonic()
         # `inflight` counts the request until its last byte is out: for a stream, that is when
@@ -516,21 +552,25 @@ class Ingress:
         streaming = False
         ticket: Ticket | None = None
         try:
+            key = self._authenticate(request)
+            tenant = key.tenant if key is not None else ANONYMOUS
             if chat:
                 body: Any = await self._parse(request, ChatCompletionRequest)
                 field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
                 max_tokens = self._max_tokens(body.max_completion_tokens or body.max_tokens, field)
                 messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-                ctx = self._context(body, messages, None, max_tokens)
+                ctx = self._context(body, messages, None, max_tokens, tenant)
                 echo = ""
             else:
                 body = await self._parse(request, CompletionRequest)
                 field = "max_tokens"
                 max_tokens = self._max_tokens(body.max_tokens, field)
-                ctx = self._context(body, None, body.prompt_text(), max_tokens)
+                ctx = self._context(body, None, body.prompt_text(), max_tokens, tenant)
                 echo = body.prompt_text() if body.echo else ""
             self._shape(body, ctx, field, max_tokens)
-            ticket = self.gate.admit(request.headers.get(CRITICALITY_HEADER))
+            if key is not None:
+                self._rate_limit(key, ctx, body)
+            ticket = self.gate.admit(request.headers.get(CRITICALITY_HEADER), base=key.tier if key else None)
             ctx.headers_out[CRITICALITY_HEADER] = ticket.criticality.value
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             response = await self._serve(ctx, ticket, body.stream, include_usage, chat, echo, end_inflight)
@@ -562,9 +602,13 @@ class Ingress:
         return await self._handle(request, chat=False)
 
     @api.get("/v1/models")
-    async def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": self.served_model_name, "object": "model",
-                                            "created": self.created, "owned_by": "brownout"}]}
+    async def models(self, request: Request) -> Response:
+        try:
+            self._authenticate(request)
+        except RequestError as err:
+            return err.response()
+        return JSONResponse({"object": "list", "data": [{"id": self.served_model_name, "object": "model",
+                                                         "created": self.created, "owned_by": "brownout"}]})
 
     @api.get("/healthz")
     async def healthz(self) -> Response:
@@ -578,9 +622,12 @@ class Ingress:
     # -- admin API -----------------------------------------------------------------------------
 
     def _admin_check(self, request: Request) -> None:
-        if self.admin_token and request.headers.get("authorization") != f"Bearer {self.admin_token}":
-            raise RequestError(401, "admin API needs 'Authorization: Bearer <admin_token>'", "authorization",
-                               kind="authentication_error")
+        """Closed (403) without a configured token; 401 without one sent, 403 for a wrong one."""
+        try:
+            self.admin_guard.check(request.headers)
+        except RequestError as err:
+            self._auth_refused(f"admin_{err.status}")
+            raise
 
     async def _admin(self, request: Request, method: str, *args: Any, **kwargs: Any) -> Response:
         try:
@@ -616,7 +663,12 @@ class Ingress:
     @api.post("/admin/brownout/override")
     async def admin_override(self, request: Request) -> Response:
         try:
-            body = parse_body(await request.body(), OverrideBody, 64 * 1024)
+            self._admin_check(request)  # before the body is read
+            body = parse_body(await read_body(request, 64 * 1024, self.auth.body_read_timeout_s), OverrideBody,
+                              64 * 1024)
+            if body.ttl_s > self.auth.max_override_ttl_s:
+                raise RequestError(400, f"ttl_s: {body.ttl_s:g} exceeds the maximum of "
+                                   f"{self.auth.max_override_ttl_s:g} s (auth.max_override_ttl_s)", "ttl_s")
         except RequestError as err:
             return err.response()
         return await self._admin(request, "set_override", level=body.level, feature=body.feature,

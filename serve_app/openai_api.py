@@ -249,6 +249,10 @@ def parse_body(raw: bytes, schema: type[_Req], max_body_bytes: int) -> Any:
         raise RequestError(400, f"request body is not valid JSON: {err}", None) from None
     if not isinstance(doc, dict):
         raise RequestError(400, f"request body must be a JSON object, got {type(doc).__name__}", None)
+    bad = _unencodable(doc, "")
+    if bad is not None:
+        # JSON may escape a lone surrogate (\ud800); no tokenizer, file or log can take it
+        raise RequestError(400, f"{bad or 'body'}: text is not valid Unicode (a lone surrogate?)", bad or None)
     try:
         return schema.model_validate(doc)
     except ValidationError as err:
@@ -262,6 +266,30 @@ def parse_body(raw: bytes, schema: type[_Req], max_body_bytes: int) -> Any:
         got = first.get("input")
         detail = f" (got {got!r})" if first["type"] not in ("missing",) and not isinstance(got, (dict, list)) else ""
         raise RequestError(400, f"{param}: {msg}{detail}", param) from None
+
+
+def _unencodable(value: Any, path: str) -> str | None:
+    """The path of the first string (key or value) in ``value`` that UTF-8 cannot encode."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            sub = f"{path}.{k}" if path else str(k)
+            if _unencodable(k, sub) is not None:
+                return sub
+            found = _unencodable(v, sub)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            found = _unencodable(v, f"{path}.{i}")
+            if found is not None:
+                return found
+    return None
 
 
 def new_id(prefix: str) -> str:

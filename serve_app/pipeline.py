@@ -14,6 +14,10 @@ Calls are grouped by where the feature runs (`Worker.host`): everything one requ
 to one deployment goes in ONE handle call (``call_many``), and features that run in the ingress
 process cost no handle call at all. `handle_calls` counts the handle calls per deployment.
 
+Each feature has a circuit breaker (`serve_app.breaker`): after several failures in a row its
+stage is bypassed at once, with no call and no timeout to wait out, until probes find it well
+again (outcome ``circuit_open``).
+
 A disabled stage is not called at all; its off-mode says what happens instead: ``skip`` (the
 stage's effect is absent, and its ``on_bypass`` runs), ``default`` (the configured result is
 applied as if the stage had returned it), ``defer`` (the record is appended to a durable spool
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
@@ -36,6 +41,7 @@ from deployments.enrichments.base import Outcome
 from deployments.enrichments.feature import Feature, RequestState
 from deployments.enrichments.spool import DurableSpool
 from policies.features import OffMode, Stage
+from serve_app.breaker import Breaker, BreakerSettings
 
 logger = logging.getLogger("ray.serve")
 
@@ -56,6 +62,8 @@ class Pipeline:
         default_timeout_s: float = 1.0,
         settings: Mapping[str, Mapping[str, Any]] | None = None,
         on_outcome: Callable[[str, str], None] | None = None,
+        breaker: BreakerSettings | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.features = tuple(features)
         self.by_name = {f.name: f for f in self.features}
@@ -76,6 +84,9 @@ class Pipeline:
         self.deferred: Counter[str] = Counter()
         self._background: set[asyncio.Task[Any]] = set()
         self._drain_locks: dict[str, asyncio.Lock] = {}
+        self.clock = clock
+        settings_b = breaker or BreakerSettings()
+        self.breakers = {f.name: Breaker(settings_b) for f in self.features}
 
     # -- stage calls ---------------------------------------------------------------------------
 
@@ -92,9 +103,11 @@ class Pipeline:
         except asyncio.CancelledError:
             raise
         except Exception as err:  # noqa: BLE001 - a failed optional stage never fails the request
-            outcomes = [Outcome(error=repr(err))] * len(batch)
+            outcomes = [Outcome(error=type(err).__name__)] * len(batch)  # logged: no request text
         results: list[dict[str, Any] | None] = []
+        now = self.clock()
         for name, outcome in zip(names, outcomes):
+            self.breakers[name].record(outcome.error is None, now)
             if outcome.error is not None:
                 self.failures[name] += 1
                 self._on_outcome(name, "failed")
@@ -105,11 +118,18 @@ class Pipeline:
     async def _run(self, calls: list[tuple[Feature, dict[str, Any]]]) -> dict[str, dict[str, Any] | None]:
         """Run ``calls`` concurrently, one batch per host; feature name -> result (None: failed)."""
         by_host: dict[str | None, list[tuple[Feature, dict[str, Any]]]] = {}
+        refused: dict[str, dict[str, Any] | None] = {}
+        now = self.clock()
         for feature, payload in calls:
+            if not self.breakers[feature.name].allow(now):
+                refused[feature.name] = None  # bypassed at once, as a failure would be
+                self.failures[feature.name] += 1
+                self._on_outcome(feature.name, "circuit_open")
+                continue
             by_host.setdefault(feature.host, []).append((feature, payload))
         hosts = list(by_host)
         results = await asyncio.gather(*(self._batch(h, by_host[h]) for h in hosts))
-        return {f.name: r for h, rs in zip(hosts, results) for (f, _), r in zip(by_host[h], rs)}
+        return {**refused, **{f.name: r for h, rs in zip(hosts, results) for (f, _), r in zip(by_host[h], rs)}}
 
     def _skip(self, ctx: RequestState, feature: Feature) -> None:
         self.bypassed[feature.name] += 1
@@ -216,6 +236,8 @@ class Pipeline:
         f = self.by_name[feature]
         async with lock:
             async def sink(records: list[dict[str, Any]]) -> None:
+                if not self.breakers[feature].allow(self.clock()):
+                    raise RuntimeError(f"{feature}: circuit open; records stay spooled")
                 (result,) = await self._batch(f.host, [(f, {"records": records})])
                 if result is None:
                     raise RuntimeError(f"{feature} unavailable; records stay spooled")
@@ -227,8 +249,9 @@ class Pipeline:
         while self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
 
-    def counters(self) -> dict[str, dict[str, int]]:
+    def counters(self) -> dict[str, dict[str, Any]]:
         return {"calls": dict(self.calls), "handle_calls": dict(self.handle_calls),
                 "bypassed": dict(self.bypassed), "failures": dict(self.failures),
                 "deferred": dict(self.deferred),
-                "spool_pending": {f: sp.pending() for f, sp in self.spools.items()}}
+                "spool_pending": {f: sp.pending() for f, sp in self.spools.items()},
+                "circuits": {name: b.snapshot() for name, b in self.breakers.items()}}

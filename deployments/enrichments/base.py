@@ -80,6 +80,8 @@ async def run_calls(by_feature: Mapping[str, Enrichment], calls: Sequence[tuple[
         try:
             return Outcome(result=await enrichment.call(feature, payload))
         except Exception as err:  # noqa: BLE001 - reported to the caller, who bypasses the stage
-            return Outcome(error=repr(err))
+            # the type only: an exception's text may quote the request (prompt, user), and this
+            # string is logged
+            return Outcome(error=type(err).__name__)
 
     return list(await asyncio.gather(*(one(f, p) for f, p in calls)))

@@ -40,6 +40,9 @@ from deployments.enrichments.base import Enrichment
 from policies.features import REGISTRY, FeatureSpec, PolicyView, Stage
 
 
+ANONYMOUS = "anonymous"  # the tenant of every request when API keys are disabled by config
+
+
 @dataclass
 class RequestState:
     """One request's way through the pipeline, as features read and change it."""
@@ -57,7 +60,8 @@ class RequestState:
     # with ``answer``: its honest usage (prompt tokens, completion tokens) and finish reason
     answer_usage: tuple[int, int] = (0, 0)
     answer_finish: str = "stop"
-    tenant: str = "anonymous"  # who the request's API key belongs to: scopes anything shared
+    tenant: str = "anonymous"  # who the request's API key belongs to (ANONYMOUS without keys): scopes shared state
+    client_request_id: str | None = None  # the client's X-Request-ID: echoed and logged, never the engine's id
     personal: bool = False  # a feature shaped the prompt for this user: the answer is theirs alone
     tags: dict[str, Any] = field(default_factory=dict)  # feature annotations, copied into the record
     headers_out: dict[str, str] = field(default_factory=dict)  # feature response headers
@@ -106,7 +110,8 @@ class RequestState:
     def record(self, finish: str | None, usage: Mapping[str, int]) -> dict[str, Any]:
         """The finished request, as side effects receive it (JSON-able)."""
         return {
-            "request_id": self.request_id, "at": time.time(), "user": self.user, "key_text": self.key_text,
+            "request_id": self.request_id, "client_request_id": self.client_request_id, "tenant": self.tenant,
+            "at": time.time(), "user": self.user, "key_text": self.key_text,
             "prompt": self.prompt if self.messages is None else self.messages,
             "sampling": self.sampling, "response": {"text": self.text, "finish_reason": finish},
             "usage": dict(usage), "latency_ms": (time.monotonic() - self.started) * 1000.0,

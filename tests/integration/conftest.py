@@ -36,11 +36,53 @@ def free_port() -> int:
 
 
 @dataclass
+class Secrets:
+    """The test cluster's API keys and admin token (serve_app.security, in the cluster's tmp)."""
+
+    api_key: str  # tenant "tests", tier standard, limits far above what any test sends
+    other_key: str  # tenant "others": a second tenant
+    limited_key: str  # tenant "tests", 3 requests a minute: the rate-limit test's
+    critical_key: str  # tenant "tests", tier critical: the admission tests'
+    admin_token: str
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}", "X-Brownout-Admin-Token": self.admin_token}
+
+
+def secrets_dir(tmp: Path) -> Path:
+    return tmp / "secrets"
+
+
+def make_secrets(tmp: Path) -> Secrets:
+    from serve_app.security import RateSettings, add_key, ensure_admin_token
+
+    d = secrets_dir(tmp)
+    roomy = RateSettings(requests="10000/second", tokens="10000000/second")
+    key, _ = add_key(d / "keys.yaml", "tests", "standard", "tests", roomy)
+    other, _ = add_key(d / "keys.yaml", "others", "standard", "others", roomy)
+    limited, _ = add_key(d / "keys.yaml", "tests", "standard", "limited",
+                         RateSettings(requests="3/minute", tokens="10000/minute"))
+    critical, _ = add_key(d / "keys.yaml", "tests", "critical", "critical", roomy)
+    token, _ = ensure_admin_token(d / "admin_token")
+    return Secrets(key, other, limited, critical, token)
+
+
+@dataclass
 class Cluster:
     dashboard_url: str
     http_port: int
     tmp: Path
     metrics_port: int
+    secrets: Secrets
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """An API key and the admin token: what every test client sends."""
+        return self.secrets.headers
+
+    def client(self, timeout: float = 60, **kw: Any) -> httpx.Client:
+        return httpx.Client(base_url=self.base_url, timeout=timeout, headers=self.headers, **kw)
 
     @property
     def data_dir(self) -> Path:
@@ -80,10 +122,14 @@ def wait_running(timeout_s: float = 300) -> dict[str, Any]:
 
 
 def test_config(http_port: int, data_dir: Path) -> dict[str, Any]:
-    """serve_config.yaml, unchanged but for the HTTP port and a private data folder."""
+    """serve_config.yaml, unchanged but for the HTTP port, a private data folder and the test
+    cluster's own keys file and admin token (next to the data folder)."""
     config = copy.deepcopy(yaml.safe_load((ROOT / "serve_config.yaml").read_text()))
     config["http_options"]["port"] = http_port
-    config["applications"][0]["args"]["enrichments"]["data_dir"] = str(data_dir)
+    args = config["applications"][0]["args"]
+    args["enrichments"]["data_dir"] = str(data_dir)
+    args["auth"]["keys_file"] = str(secrets_dir(data_dir.parent) / "keys.yaml")
+    args["auth"]["admin_token_file"] = str(secrets_dir(data_dir.parent) / "admin_token")
     return config
 
 
@@ -109,7 +155,7 @@ def cluster() -> Iterator[Cluster]:
         _metrics_export_port=metrics,
         log_to_driver=False,
     )
-    c = Cluster(f"http://127.0.0.1:{dash}", free_port(), tmp, metrics)
+    c = Cluster(f"http://127.0.0.1:{dash}", free_port(), tmp, metrics, make_secrets(tmp))
     try:
         yield c
     finally:
@@ -135,7 +181,7 @@ def deployed(cluster: Cluster) -> Cluster:
 
 @pytest.fixture
 def http(deployed: Cluster) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=deployed.base_url, timeout=60) as client:
+    with deployed.client() as client:
         yield client
 
 

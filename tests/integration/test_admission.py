@@ -50,11 +50,14 @@ def slo_policy(deployed: Cluster, http: httpx.Client) -> Iterator[None]:
             time.sleep(0.25)
 
 
-def post(base_url: str, criticality: str | None, max_tokens: int) -> httpx.Response:
-    headers = {"X-Brownout-Criticality": criticality} if criticality else {}
+def post(cluster: Cluster, criticality: str | None, max_tokens: int, key: str | None = None) -> httpx.Response:
+    """A chat request with the critical-tier key (its class unless the header lowers it)."""
+    headers = {"Authorization": f"Bearer {key or cluster.secrets.critical_key}"}
+    if criticality:
+        headers["X-Brownout-Criticality"] = criticality
     body = {"model": MODEL, "messages": [{"role": "user", "content": gibberish()}],
             "max_tokens": max_tokens, "ignore_eos": True}
-    with httpx.Client(base_url=base_url, timeout=120) as client:
+    with cluster.client(timeout=120) as client:
         return client.post(CHAT, json=body, headers=headers)
 
 
@@ -65,9 +68,9 @@ def wait_in_flight(http: httpx.Client, n: int) -> None:
         time.sleep(0.05)
 
 
-def refused(base_url: str, criticality: str, status: int) -> httpx.Response:
+def refused(cluster: Cluster, criticality: str, status: int) -> httpx.Response:
     t0 = time.monotonic()
-    r = post(base_url, criticality, 8)
+    r = post(cluster, criticality, 8)
     elapsed = time.monotonic() - t0
     assert r.status_code == status, r.text
     error = r.json()["error"]
@@ -81,7 +84,7 @@ def refused(base_url: str, criticality: str, status: int) -> httpx.Response:
 
 def test_overload_is_refused_at_once_least_important_first(
         deployed: Cluster, http: httpx.Client, slo_policy: None) -> None:
-    url = deployed.base_url
+    url = deployed  # requests below carry the critical-tier key
     before = admission_state(http)
     with cf.ThreadPoolExecutor(max_workers=8) as pool:
         # 4 sheddable requests fill sheddable's share of the budget...
@@ -106,9 +109,14 @@ def test_overload_is_refused_at_once_least_important_first(
 
 
 def test_criticality_header_lowers_never_raises(deployed: Cluster, http: httpx.Client, slo_policy: None) -> None:
-    r = post(deployed.base_url, "sheddable", 4)
+    r = post(deployed, "sheddable", 4)
     assert r.status_code == 200 and r.headers["X-Brownout-Criticality"] == "sheddable"
-    bad = post(deployed.base_url, "urgent", 4)
+    # the class is the key's tier: a standard-tier key cannot claim critical
+    r = post(deployed, "critical", 4, key=deployed.secrets.api_key)
+    assert r.status_code == 200 and r.headers["X-Brownout-Criticality"] == "standard"
+    r = post(deployed, None, 4)
+    assert r.status_code == 200 and r.headers["X-Brownout-Criticality"] == "critical"
+    bad = post(deployed, "urgent", 4)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "X-Brownout-Criticality"
     assert "unknown class 'urgent'" in bad.json()["error"]["message"]
 

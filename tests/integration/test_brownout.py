@@ -178,7 +178,7 @@ def test_deferred_audit_records_all_arrive_once_the_level_drops(deployed: Cluste
         if len(records) >= logged_before + 12:
             break
         time.sleep(0.5)
-    new = [r["request_id"] for r in records[logged_before:]]
+    new = [r["client_request_id"] for r in records[logged_before:]]  # x-request-id is the client id
     assert [i for i in new if i in ids] == ids  # count in = count out, in order
     assert admin(http, "GET", "/admin/brownout")["ingress"]["pipeline"]["spool_pending"]["audit_log"] == 0
     admin(http, "DELETE", params={"level": "true"})
@@ -219,7 +219,7 @@ def test_deferred_audit_records_survive_an_ingress_restart(deployed: Cluster, ht
     pin(http, 0)  # the level drops
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        written = [r["request_id"] for r in read_all(audit_dir)[logged_before:]]
+        written = [r["client_request_id"] for r in read_all(audit_dir)[logged_before:]]
         if all(i in written for i in ids):
             break
         time.sleep(0.5)
@@ -400,7 +400,7 @@ def test_burst_escalates_fast_and_recovers_one_step_per_dwell(deployed: Cluster,
     t_start = time.time()
 
     def one() -> int:
-        with httpx.Client(base_url=deployed.base_url, timeout=120) as c:
+        with deployed.client(timeout=120) as c:
             return chat(c, max_tokens=96, ignore_eos=True).status_code
 
     # The model replica's own stats call would queue behind the burst (its max_ongoing_requests
@@ -409,7 +409,7 @@ def test_burst_escalates_fast_and_recovers_one_step_per_dwell(deployed: Cluster,
     crossed_at = level_at = None
     with cf.ThreadPoolExecutor(max_workers=40) as pool:
         futures = [pool.submit(one) for _ in range(40)]
-        with httpx.Client(base_url=deployed.base_url, timeout=10) as watcher:
+        with deployed.client(timeout=10) as watcher:
             while not all(f.done() for f in futures):
                 state = admin(watcher, "GET", "/admin/brownout")
                 now = time.time()

@@ -23,12 +23,12 @@ def test_serve_deploy_reaches_running_and_answers(deployed: Cluster) -> None:
     assert app.status == "RUNNING"
     assert set(app.deployments) >= {"Ingress", "VLLMModel"}
     r = httpx.post(deployed.base_url + CHAT, json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                                                   "max_tokens": 8}, timeout=60)
+                                                   "max_tokens": 8}, timeout=60, headers=deployed.headers)
     assert r.status_code == 200, r.text
 
 
 def test_openai_sdk_chat_whole(deployed: Cluster) -> None:
-    client = openai.OpenAI(base_url=deployed.base_url + "/v1", api_key="unused")
+    client = openai.OpenAI(base_url=deployed.base_url + "/v1", api_key=deployed.secrets.api_key)
     out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say something."}],
                                          max_tokens=12, temperature=0)
     assert out.object == "chat.completion"
@@ -40,7 +40,7 @@ def test_openai_sdk_chat_whole(deployed: Cluster) -> None:
 
 
 def test_openai_sdk_chat_stream_ends_cleanly(deployed: Cluster) -> None:
-    client = openai.OpenAI(base_url=deployed.base_url + "/v1", api_key="unused")
+    client = openai.OpenAI(base_url=deployed.base_url + "/v1", api_key=deployed.secrets.api_key)
     stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Stream please."}],
                                             max_tokens=16, stream=True, stream_options={"include_usage": True})
     chunks = list(stream)
@@ -87,7 +87,7 @@ def test_an_open_stream_counts_as_inflight_until_its_last_byte(http: httpx.Clien
 
 
 def test_openai_sdk_completions(deployed: Cluster) -> None:
-    client = openai.OpenAI(base_url=deployed.base_url + "/v1", api_key="unused")
+    client = openai.OpenAI(base_url=deployed.base_url + "/v1", api_key=deployed.secrets.api_key)
     out = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10)
     assert out.object == "text_completion" and out.choices[0].text
     assert out.usage.completion_tokens >= 1
@@ -96,7 +96,7 @@ def test_openai_sdk_completions(deployed: Cluster) -> None:
 
 
 def test_models_lists_the_served_model(deployed: Cluster) -> None:
-    client = openai.OpenAI(base_url=deployed.base_url + "/v1", api_key="unused")
+    client = openai.OpenAI(base_url=deployed.base_url + "/v1", api_key=deployed.secrets.api_key)
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
@@ -155,7 +155,7 @@ def test_client_disconnect_aborts_the_engine_request(deployed: Cluster) -> None:
     assert model_stats()["num_running_reqs"] == 0
     body = _chat(max_tokens=500, ignore_eos=True, stream=True,
                  messages=[{"role": "user", "content": "go on forever"}])
-    client = httpx.Client(base_url=deployed.base_url, timeout=60)
+    client = deployed.client()
     with client.stream("POST", CHAT, json=body) as r:
         assert r.status_code == 200
         lines = r.iter_lines()

@@ -121,6 +121,32 @@ def test_failed_or_slow_stage_is_bypassed_and_counted() -> None:
     assert "personalization" in c.headers()["X-Brownout-Bypassed"]
 
 
+def test_a_stage_that_keeps_failing_opens_its_circuit_and_is_probed_back() -> None:
+    """Two failures in a row open personalization's circuit: the next requests bypass it with no
+    call (outcome circuit_open); after open_s one probe goes through and, well again, closes it."""
+    from serve_app.breaker import BreakerSettings
+    from tests.fakes.clock import FakeClock
+
+    stages, clock, outcomes = FakeStages(), FakeClock(), []
+    stages.fail.add("personalization")
+    p = pipeline(stages, breaker=BreakerSettings(failure_threshold=2, open_s=10, probes=1), clock=clock,
+                 on_outcome=lambda f, o: outcomes.append((f, o)))
+    for _ in range(4):
+        c = ctx(view(0))
+        run(p.pre(c))
+        assert "personalization" in c.failed
+    assert stages.calls["personalization"] == 2
+    assert outcomes.count(("personalization", "circuit_open")) == 2
+    assert p.counters()["circuits"]["personalization"]["state"] == "open"
+    assert p.counters()["circuits"]["ab_test"]["state"] == "closed"
+    stages.fail.discard("personalization")
+    clock.advance(10)
+    c = ctx(view(0))
+    run(p.pre(c))
+    assert stages.calls["personalization"] == 3 and "personalization" not in c.failed
+    assert p.counters()["circuits"]["personalization"]["state"] == "closed"
+
+
 def test_cache_hit_is_applied_and_not_written_back() -> None:
     stages = FakeStages()
     stages.cache["user: hello"] = "cached!"

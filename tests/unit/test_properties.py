@@ -128,11 +128,20 @@ def test_feature_override_wins_until_it_expires(cfg, trace, on, ttl) -> None:  #
 @settings(max_examples=300, deadline=None)
 @given(cfg=policies(), trace=traces())
 def test_flap_damping_never_sheds_less_than_the_undamped_rule(cfg, trace) -> None:  # type: ignore[no-untyped-def]
-    """Damping only delays steps down: at every tick the damped level is >= the undamped one."""
-    _, damped = replay(cfg, trace)
-    _, plain = replay(undamped(cfg), trace)
-    for (t, lv_damped, _), (_, lv_plain, _) in zip(damped, plain):
-        assert lv_damped >= lv_plain, t
+    """Damping only delays steps down: from the same state and signals, the damped decision's
+    level is never below the undamped rule's.
+
+    (Compared tick by tick from one shared history, not as two separate runs: an undamped run
+    that flaps restarts its own cooldown on each re-escalation, and a cooldown longer than the
+    damped dwell can then hold it up while the damped run, which did not flap, steps down. That
+    is the cooldown's doing, not a step the damping took early.)
+    """
+    state, plain_cfg = ControllerState(), undamped(cfg)
+    for t, v in trace:
+        signals = Signals(at=t, values={} if v is None else {"queue_length": v})
+        plain, _ = decide(plain_cfg, state, signals, t)
+        state, _ = decide(cfg, state, signals, t)
+        assert state.level >= plain.level, t
 
 
 @settings(max_examples=300, deadline=None)
