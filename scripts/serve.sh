@@ -40,10 +40,12 @@ if [ "$API_KEYS" = "disabled" ]; then
 elif [ ! -s "$KEY_FILE" ]; then
   .venv/bin/python -m serve_app.security add-key --file "$KEYS_FILE" --tenant local --tier standard \
     --id "local-$(id -un)" --key-out "$KEY_FILE" >/dev/null
-  echo "brownout: created an API key for you: $KEY_FILE (its hash is in $KEYS_FILE)"
+  echo "brownout: created your API key (shown once here; kept in $KEY_FILE, 0600; its hash in $KEYS_FILE):"
+  echo "          $(cat "$KEY_FILE")"
 fi
-if [ "$ADMIN_FILE" != "-" ]; then
-  .venv/bin/python -m serve_app.security admin-token --file "$ADMIN_FILE" >/dev/null
+if [ "$ADMIN_FILE" != "-" ] && [ ! -s "$ADMIN_FILE" ]; then
+  echo "brownout: created the admin API's token (kept in $ADMIN_FILE, 0600):"
+  echo "          $(.venv/bin/python -m serve_app.security admin-token --file "$ADMIN_FILE")"
 fi
 
 if .venv/bin/ray status --address "127.0.0.1:${BROWNOUT_GCS_PORT:-6380}" >/dev/null 2>&1 && healthy; then
