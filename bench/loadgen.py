@@ -271,6 +271,12 @@ class Probe:
     errors: int
     p99_e2e_ms: float | None
     stopped_early: bool = False
+    stage: str = ""  # "coarse" (a short prefix of the trace) or "fine" (the whole trace)
+    late: int = 0  # judged requests that completed after the SLO
+    max_e2e_ms: float | None = None  # the slowest judged completion
+    other_cpu_cores: float | None = None  # CPU used meanwhile by other processes
+    repeated: bool = False  # this is the second try of a probe disturbed by other processes
+    p99_fit_ms: float | None = None  # fine probes: `fit_p99` of the judged latencies (None: failed outright)
 
 
 @dataclass(frozen=True)
@@ -280,16 +286,19 @@ class Calibration:
     capacity_rps: float
     probes: tuple[Probe, ...]
     bracketed: bool  # a failing rate above the capacity was found (else it is a lower bound)
+    upper_rps: float | None = None  # the lowest failing rate above the capacity (the resolution)
 
 
 def calibrate(measure: Callable[[float], Probe], start_rps: float, *, growth: float = 2.0,
-              bisect_steps: int = 3, max_rps: float = 64.0, min_rps: float = 0.1) -> Calibration:
+              bisect_steps: int = 3, max_rps: float = 64.0, min_rps: float = 0.1,
+              rel_tol: float = 0.0) -> Calibration:
     """The highest rate that passes, by a geometric ramp and then a bisection.
 
     From ``start_rps``, multiply by ``growth`` while probes pass (down, dividing, while they
     fail) until a passing and a failing rate bracket the capacity; then bisect that bracket
-    ``bisect_steps`` times. Each probe is one call of ``measure(rate)``; a good ``start_rps``
-    (a guess near the capacity) saves probes. Capacity 0 when even ``min_rps`` fails.
+    at most ``bisect_steps`` times, stopping early once ``(hi - lo) / lo <= rel_tol``. Each probe
+    is one call of ``measure(rate)``; a good ``start_rps`` (a guess near the capacity) saves
+    probes. Capacity 0 when even ``min_rps`` fails.
     """
     probes: list[Probe] = []
 
@@ -319,16 +328,166 @@ def calibrate(measure: Callable[[float], Probe], start_rps: float, *, growth: fl
                 break
             hi = rate
     if lo is None:
-        return Calibration(0.0, tuple(probes), True)
+        return Calibration(0.0, tuple(probes), True, hi)
     if hi is None:
         return Calibration(lo, tuple(probes), False)
     for _ in range(bisect_steps):
+        if (hi - lo) / lo <= rel_tol:
+            break
         mid = (lo + hi) / 2
         if probe(mid):
             lo = mid
         else:
             hi = mid
-    return Calibration(lo, tuple(probes), True)
+    return Calibration(lo, tuple(probes), True, hi)
+
+
+Z99 = 2.3263  # the standard normal's 99th percentile
+
+
+def fit_p99(values: Sequence[float]) -> float | None:
+    """The 99th percentile of a normal fit of ``values``: mean + 2.33 x standard deviation.
+
+    A p99 estimate from every value, not only the largest: of a few dozen values the empirical
+    p99 is their maximum, one request, as noisy as that request. A normal fit understates a
+    heavy right tail; under load the spread of latencies is what moves. None for fewer than 2.
+    """
+    if len(values) < 2:
+        return None
+    mean = sum(values) / len(values)
+    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1)
+    return mean + Z99 * math.sqrt(var)
+
+
+def crossing(points: Sequence[tuple[float, float]], target: float) -> float | None:
+    """Where the least-squares line through ``points`` (rate, value) reaches ``target``; None
+    with fewer than 2 distinct rates or a line that does not rise with the rate."""
+    if len({x for x, _ in points}) < 2:
+        return None
+    mx = sum(x for x, _ in points) / len(points)
+    my = sum(y for _, y in points) / len(points)
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    slope = sum((x - mx) * (y - my) for x, y in points) / sxx
+    if slope <= 0:
+        return None
+    return mx + (target - my) / slope
+
+
+def calibrate_fit(coarse: Callable[[float], Probe], fine: Callable[[float], Probe], start_rps: float, *,
+                  target_ms: float, growth: float = 2.0, coarse_tol: float = 0.15, coarse_steps: int = 4,
+                  spread: Sequence[float] = (0.75, 0.9, 1.05, 1.2), extra: int = 2, max_rps: float = 64.0,
+                  min_rps: float = 0.1) -> Calibration:
+    """The rate at which the p99 crosses ``target_ms``: a coarse search, then a fit.
+
+    Meant for probes that replay one arrival trace scaled to the rate (`trace`): a coarse probe
+    sends a short prefix of it and passes or fails (`SloRule`); a fine probe sends the whole of
+    it and measures ``p99_fit_ms`` (`fit_p99`; None when it failed outright: an error, or a
+    request far past the SLO).
+
+    1. `calibrate` with ``coarse``: ramp, then bisect until the bracket is within ``coarse_tol``;
+       its capacity ``c`` is a first guess;
+    2. fine probes at ``c`` times each of ``spread``; while none failed, one more above the
+       highest (x 1.2), while none passed, one below the lowest (/ 1.25), ``extra`` at most;
+    3. the capacity is where the least-squares line through the fine probes' (rate, p99) reaches
+       ``target_ms`` (`crossing`): every fine probe's requests count, so one slow request moves
+       it little. It stays below any rate whose fine probe failed outright and within 0.8 x the
+       lowest and 1.2 x the highest rate probed; with no rising line, the highest rate whose
+       fine probe passed.
+    """
+    first = calibrate(coarse, start_rps, growth=growth, bisect_steps=coarse_steps, max_rps=max_rps,
+                      min_rps=min_rps, rel_tol=coarse_tol)
+    probes = list(first.probes)
+    if first.capacity_rps <= 0:
+        return Calibration(0.0, tuple(probes), True, first.upper_rps)
+    guess = first.capacity_rps
+    fines = [fine(guess * k) for k in spread]
+    for _ in range(extra):
+        if not any(not p.passed for p in fines):
+            fines.append(fine(max(p.rate_rps for p in fines) * 1.2))
+        elif not any(p.passed for p in fines):
+            fines.append(fine(min(p.rate_rps for p in fines) / 1.25))
+        else:
+            break
+    probes += fines
+    points = [(p.rate_rps, p.p99_fit_ms) for p in fines if p.p99_fit_ms is not None]
+    est = crossing(points, target_ms)
+    if est is None:
+        est = max((p.rate_rps for p in fines if p.passed), default=0.0)
+    rates = [p.rate_rps for p in fines]
+    est = min(max(est, 0.8 * min(rates)), 1.2 * max(rates))
+    broken = [p.rate_rps for p in fines if p.p99_fit_ms is None]
+    if broken and est >= min(broken):
+        below = [p.rate_rps for p in fines if p.passed and p.rate_rps < min(broken)]
+        est = max(below, default=min(broken) / 1.25)
+    failing = [p.rate_rps for p in fines if not p.passed and p.rate_rps > est]
+    return Calibration(max(0.0, est), tuple(probes), bool(failing), min(failing, default=None))
+
+
+# -- calibration traces (pure) ---------------------------------------------------------------------
+
+def unit_trace(seed: int, n: int) -> list[float]:
+    """The first ``n`` arrival times of a rate-1 Poisson process drawn from ``Random(seed)``."""
+    rng = random.Random(seed)
+    out, t = [], 0.0
+    for _ in range(n):
+        t += rng.expovariate(1.0)
+        out.append(t)
+    return out
+
+
+def reference_capacity(unit: Sequence[float], limit: float = 2.5, warmup: int = 0) -> float:
+    """How bursty a unit trace is, independently of any server: the highest rate (in services
+    per unit of time) at which a FIFO single server with service time 1 keeps the sojourn of
+    every request after the first ``warmup`` within ``limit`` services."""
+
+    def worst(rate: float) -> float:
+        wait, prev, out = 0.0, None, 0.0
+        for i, a in enumerate(unit):
+            at = a / rate
+            if prev is not None:
+                wait = max(0.0, wait + 1.0 - (at - prev))
+            prev = at
+            if i >= warmup:
+                out = max(out, wait + 1.0)
+        return out
+
+    lo, hi = 0.0, 64.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if worst(mid) <= limit:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def median_trace_seed(n: int, candidates: int = 41, warmup: int = 2, limit: float = 2.5) -> int:
+    """The seed, among ``range(candidates)``, whose first ``n`` arrivals are of median burstiness
+    (`reference_capacity`): a fixed trace that is neither a lucky nor an unlucky draw. It depends
+    on ``n`` only, never on a server."""
+    ranked = sorted(range(candidates), key=lambda s: (reference_capacity(unit_trace(s, n), limit, warmup), s))
+    return ranked[len(ranked) // 2]
+
+
+def decisive_prefix(unit: Sequence[float], warmup: int = 2, limit: float = 2.5, tol: float = 0.05,
+                    min_n: int = 8) -> int:
+    """The shortest prefix (at least ``min_n``) of a unit trace whose `reference_capacity` is
+    within ``tol`` of the whole trace's: it already holds the trace's worst burst, so a probe
+    that sends only this prefix fails about where the whole trace fails, in a fraction of the time."""
+    whole = reference_capacity(unit, limit, warmup)
+    for k in range(min(min_n, len(unit)), len(unit)):
+        if reference_capacity(unit[:k], limit, warmup) <= whole * (1 + tol):
+            return k
+    return len(unit)
+
+
+def trace(rate_rps: float, n: int, seed: int) -> list[Arrival]:
+    """The first ``n`` arrivals of the unit trace ``seed`` scaled to ``rate_rps``: probes at
+    different rates replay the same pattern (common random numbers), and a shorter probe is a
+    prefix of a longer one."""
+    if rate_rps <= 0:
+        raise ValueError(f"rate must be positive, got {rate_rps}")
+    return [Arrival(t / rate_rps) for t in unit_trace(seed, n)]
 
 
 # -- the run (I/O) ---------------------------------------------------------------------------------
@@ -415,16 +574,20 @@ async def _poll_levels(client: Any, admin_url: str, clock: Callable[[], float], 
 
 
 async def run_load(base_url: str, model: str, profile: Profile, *, seed: int | None = None,
+                   arrivals: Sequence[Arrival] | None = None,
                    max_requests: int | None = None, mix: Sequence[tuple[str, float]] | None = None,
                    max_tokens: int = 16, drain_timeout_s: float = 30.0,
                    stop: Callable[[list[RequestRecord], float, int], bool] | None = None,
                    poll_levels_s: float | None = 0.5, progress: str | None = None,
-                   extra_body: dict[str, Any] | None = None, transport: Any = None) -> RunResult:
+                   extra_body: dict[str, Any] | None = None, transport: Any = None,
+                   headers: dict[str, str] | None = None) -> RunResult:
     """Run ``profile`` open-loop against ``base_url`` (``http://127.0.0.1:PORT``).
 
     ``stop(records, now_s, n_planned)`` is checked four times a second; when it returns True no
     more requests are sent and those running are cut off. ``progress``: a label for a tqdm bar
     (None: no bar). ``transport``: an httpx transport (tests pass ``httpx.MockTransport``).
+    ``arrivals``: send these instead of drawing a schedule from ``profile`` (a calibration
+    trace); prompts still come from ``seed``, so they are new unless the seed is fixed.
     """
     import httpx
 
@@ -433,7 +596,7 @@ async def run_load(base_url: str, model: str, profile: Profile, *, seed: int | N
         raise ValueError(f"the load generator sends to loopback only, got {base_url!r}")
     seed = run_seed() if seed is None else seed
     rng = random.Random(seed)
-    arrivals = schedule(profile, rng, max_requests, mix)
+    arrivals = schedule(profile, rng, max_requests, mix) if arrivals is None else list(arrivals)
     prompts = [make_prompt(rng) for _ in arrivals]
     url = base_url.rstrip("/") + "/v1/chat/completions"
     records = [RequestRecord(i, a.at_s, a.criticality) for i, a in enumerate(arrivals)]
@@ -449,7 +612,8 @@ async def run_load(base_url: str, model: str, profile: Profile, *, seed: int | N
     # the run's own deadline (drain_timeout_s), enforced below.
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     timeout = httpx.Timeout(connect=10.0, read=None, write=10.0, pool=None)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout, transport=transport) as client:
+    # ``headers``: sent with every request (the API key: `bench.secrets`)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, transport=transport, headers=headers) as client:
         t0 = time.perf_counter()
         started_at = time.time()
 

@@ -5,6 +5,7 @@ built-in ``ray.serve.llm`` OpenAI app, each alone on the machine in turn, in one
     .venv/bin/python bench/overload.py --quick    # the same, short (about 15 min): a smoke test
     .venv/bin/python bench/overload.py --only pinned0,adaptive    # some runs only
     .venv/bin/python bench/overload.py --url http://127.0.0.1:8000 --profile step --capacity 3.4
+    .venv/bin/python bench/overload.py --calibrate-only --slo-ms 4000   # C0, C3 twice: repeatability.json
 
 It starts its own Ray cluster (``ray.init(address="local")``, a private temp dir, ended with
 ``ray.shutdown()``), deploys ``serve_config.yaml`` with ``serve deploy`` (only the HTTP port and
@@ -20,12 +21,22 @@ chat, ``max_tokens`` 16 with ``ignore_eos``, a 20/50/30 critical/standard/shedda
    settings of ``serve_config.yaml`` (max_num_seqs, max_model_len, enforce_eager, KV cache), after
    Brownout is shut down: its capacity and the same fixed loads.
 
-Capacity is the highest Poisson rate whose probe has at most 1% errors and at most 1% of requests
-slower than the SLO (p99 end-to-end within it; default 2000 ms): a geometric ramp, then a
-bisection; a probe stops as soon as it can no longer pass. Before each adaptive run the policy
-is brought back to level 0 as on a fresh deploy: once no trigger holds (the latency windows
-have emptied), a copy of the policy with zero dwell and cooldown is applied until level 0
-holds, then the deployed policy is restored; the run itself uses the deployed policy unchanged.
+Capacity is the highest Poisson rate whose p99 end to end stays within the SLO (default
+2000 ms) with at most 1% errors. Every calibration probe replays one fixed Poisson trace scaled
+to its rate (common random numbers: probes and repeated calibrations differ by rate and server
+only; prompts are new). A geometric ramp and a bisection to 15% with short probes (the first 12
+arrivals, which hold the trace's worst burst; a probe passes when none of its requests is late
+or failed) give a first guess; four whole-trace probes (24 arrivals, or what fits in 75 s) at
+0.75-1.2 x that guess each measure a p99 as mean + 2.33 sd of their latencies (a normal fit:
+of 24 latencies the empirical p99 is the largest, one request, as noisy as it), and the capacity
+is where a least-squares line through those (rate, p99) points reaches the SLO. The first 2
+arrivals of a probe are not judged; a probe that failed while other processes used > 0.3 CPU
+cores is run again. ``--calibrate-only`` measures how well that repeats.
+
+Before each adaptive run the policy is brought back to level 0 as on a fresh deploy: once no
+trigger holds (the latency windows have emptied), a copy of the policy with zero dwell and
+cooldown is applied until level 0 holds, then the deployed policy is restored; the run itself
+uses the deployed policy unchanged.
 
 Writes ``bench/results/overload.json`` (``overload_quick.json`` with ``--quick``) and one figure
 next to it, and prints a table and the ratios the admission work is judged by.
@@ -37,6 +48,7 @@ import argparse
 import asyncio
 import copy
 import json
+import math
 import os
 import platform
 import shutil
@@ -64,12 +76,18 @@ from bench.loadgen import (
     Profile,
     RunResult,
     SloRule,
-    calibrate,
+    calibrate_fit,
     constant,
+    decisive_prefix,
+    fit_p99,
+    median_trace_seed,
     oscillate,
     parse_mix,
     run_load,
+    run_seed,
     step,
+    trace,
+    unit_trace,
 )
 from bench.report import percentile
 
@@ -99,10 +117,30 @@ class Plan:
         self.quick = quick
         self.slo = SloRule(slo_ms=args.slo_ms)
         # Budget: the full run must end within 30 min on 2 cores (sized from a --quick run's phases).
-        self.probe_s = args.probe_s or (10.0 if quick else 20.0)
+        # Calibration (see measure_capacity): every probe replays one fixed Poisson trace scaled
+        # to its rate; coarse probes send its first coarse_n arrivals, fine ones all probe_n of
+        # them, or as many as fit in max_probe_s (at least probe_s seconds' worth, if given);
+        # the first warmup_n are not judged. Fine probes at spread x the coarse capacity.
+        self.probe_n = getattr(args, "probe_n", None) or (16 if quick else 24)
+        self.warmup_n = 2
+        self.probe_s = getattr(args, "probe_s", None) or 0.0
+        self.max_probe_s = 40.0 if quick else 75.0
+        self.coarse_tol = 0.15
+        self.bisect_steps = args.bisect if getattr(args, "bisect", None) is not None else 4
+        self.spread = (0.8, 1.0, 1.2) if quick else (0.75, 0.9, 1.05, 1.2)
+        # a probe that failed while other processes used more than noisy_cores CPU cores is run
+        # again (noise can only make a probe fail), at most noisy_repeats times per calibration
+        self.noisy_cores, self.noisy_repeats = 0.3, 3
+        trace_seed = getattr(args, "trace_seed", None)
+        self.fresh_trace = bool(getattr(args, "fresh_trace", False))
+        self.trace_seed = (None if self.fresh_trace
+                           else trace_seed if trace_seed is not None else median_trace_seed(self.probe_n))
+        # coarse probes: the shortest prefix of the trace that holds its worst burst
+        self.coarse_n = getattr(args, "coarse_n", None) or (
+            self.probe_n // 2 if self.trace_seed is None
+            else decisive_prefix(unit_trace(self.trace_seed, self.probe_n), self.warmup_n, min_n=10))
         self.run_s = args.run_s or (15.0 if quick else 25.0)
         self.drain_s = args.drain_s or (10.0 if quick else 15.0)
-        self.bisect_steps = args.bisect if args.bisect is not None else (2 if quick else 3)
         self.step_low_s, self.step_high_s = (10.0, 15.0) if quick else (15.0, 25.0)
         self.warm_s = 8.0 if quick else 10.0
         self.oscillate = not quick
@@ -164,14 +202,32 @@ class NoiseMonitor(threading.Thread):
         xs = [v for t, v in self.samples if t0 <= t <= t1]
         return round(sum(xs) / len(xs), 2) if xs else None
 
+    def wait_quiet(self, cores: float, hold_s: float = 6.0, timeout_s: float = 90.0) -> float:
+        """Until other processes have used at most ``cores`` for ``hold_s`` (at most
+        ``timeout_s``); returns the seconds waited."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout_s:
+            now = time.monotonic()
+            recent = self.mean(now - hold_s, now)
+            if recent is not None and recent <= cores and now - t0 >= hold_s:
+                break
+            time.sleep(1.0)
+        return time.monotonic() - t0
+
 
 NOISE = NoiseMonitor()
 
 
 # -- talking to a running server ---------------------------------------------------------------
 
+# The API key and admin token every request carries (`bench.secrets`): a private pair for the
+# app this command deploys, or the environment's / `make serve`'s for --url. Ray's built-in app
+# ignores them.
+HEADERS: dict[str, str] = {}
+
+
 def http(base: str) -> httpx.Client:
-    return httpx.Client(base_url=base, timeout=30)
+    return httpx.Client(base_url=base, timeout=30, headers=HEADERS)
 
 
 def wait_healthy(base: str, path: str, timeout_s: float = 300) -> None:
@@ -295,38 +351,109 @@ def reset_policy(base: str, policy_doc: dict[str, Any], timeout_s: float = 120) 
 
 def run_profile(base: str, profile: Profile, plan: Plan, label: str, *, stop: Any = None,
                 drain_s: float | None = None, mix: Any = "plan", poll: bool = True,
-                max_requests: int | None = None) -> RunResult:
+                max_requests: int | None = None, arrivals: Any = None) -> RunResult:
     return asyncio.run(run_load(
-        base, MODEL, profile, seed=plan.next_seed(), mix=plan.mix if mix == "plan" else mix, max_requests=max_requests,
+        base, MODEL, profile, seed=plan.next_seed(), arrivals=arrivals, mix=plan.mix if mix == "plan" else mix,
+        max_requests=max_requests,
         max_tokens=plan.max_tokens, drain_timeout_s=plan.drain_s if drain_s is None else drain_s,
-        stop=stop, poll_levels_s=0.5 if poll else None, progress=label if plan.progress else None))
+        stop=stop, poll_levels_s=0.5 if poll else None, progress=label if plan.progress else None,
+        headers=HEADERS))
+
+
+def probe_size(plan: Plan, rate: float, stage: str) -> int:
+    """Arrivals a probe sends: a prefix of the trace (coarse) or all of it (fine), cut to what
+    fits in ``max_probe_s`` but never below the coarse prefix (or at least ``probe_s`` seconds'
+    worth, if that was given)."""
+    if stage == "coarse":
+        return plan.coarse_n
+    if plan.probe_s:
+        return max(plan.probe_n, math.ceil(plan.probe_s * rate))
+    return max(plan.coarse_n, min(plan.probe_n, math.floor(plan.max_probe_s * rate)))
+
+
+def judge(rule: SloRule, records: Sequence[Any], warmup_n: int) -> tuple[bool, int, int]:
+    """(passed, late, errors) of a probe: the rule over every request after the first
+    ``warmup_n`` (which run into an idle server and are sent, not judged)."""
+    judged = records[warmup_n:]
+    late = sum(1 for r in judged if r.ok and (r.e2e_ms or 0.0) > rule.slo_ms)
+    return rule.passed(judged), late, sum(1 for r in judged if not r.ok)
 
 
 def measure_capacity(base: str, plan: Plan, label: str, start_rps: float, growth: float,
                      brownout: bool) -> Calibration:
-    rule = plan.slo
+    """The rate at which the p99 end to end crosses the SLO (`bench.loadgen.calibrate_fit`).
 
-    def measure(rate: float) -> Probe:
-        # about 20 arrivals even at a low rate (too few cannot show a p99), at most twice probe_s
-        duration_s = min(max(plan.probe_s, 20.0 / rate), 2 * plan.probe_s)
+    Every probe replays the same Poisson trace (``plan.trace_seed``: median burstiness among 41
+    seeds; fresh per probe with ``--fresh-trace``) scaled to its rate, with new prompts: two
+    probes, or two calibrations, differ by their rate and the server only, not by the luck of
+    the draw. Coarse probes (a prefix of the trace) pass when no judged request failed or was
+    late and stop as soon as one is; fine probes (all of it) measure the p99 of a normal fit of
+    the judged latencies and stop only at an error or a request twice the SLO old. A probe that
+    failed while other processes used more than ``plan.noisy_cores`` CPU cores is run once more,
+    when they have calmed down (up to 90 s), and the second try counts (at most
+    ``plan.noisy_repeats`` times per calibration).
+    """
+    rule = plan.slo
+    repeats = [0]
+    warm = plan.warmup_n
+
+    def measure(rate: float, stage: str) -> Probe:
+        n = probe_size(plan, rate, stage)
+        probe = probe_once(rate, n, stage, False)
+        noisy = probe.other_cpu_cores is not None and probe.other_cpu_cores > plan.noisy_cores
+        if not probe.passed and noisy and repeats[0] < plan.noisy_repeats:
+            repeats[0] += 1
+            waited = NOISE.wait_quiet(plan.noisy_cores)
+            log(f"  other processes used {probe.other_cpu_cores} cores during that failed probe: once more "
+                f"(after {waited:.0f} s waiting for them to calm down)")
+            probe = probe_once(rate, n, stage, True)
+        return probe
+
+    def certainly_failed(recs: Sequence[Any], now: float, planned: int) -> bool:
+        return rule.certainly_failed(recs[warm:], now, planned - warm)
+
+    def far_gone(recs: Sequence[Any], now: float, planned: int) -> bool:
+        judged = recs[warm:]
+        return (any(r.done_s is not None and not r.ok for r in judged)
+                or any(r.done_s is None and (now - r.scheduled_s) * 1000.0 > 2 * rule.slo_ms for r in judged))
+
+    def probe_once(rate: float, n: int, stage: str, repeated: bool) -> Probe:
+        seed = run_seed() if plan.trace_seed is None else plan.trace_seed
+        arrivals = trace(rate, n, seed)
+        profile = constant(rate, arrivals[-1].at_s + 1e-3)
         t0 = time.monotonic()
-        result = run_profile(base, constant(rate, duration_s), plan, f"{label} probe {rate:.2f}/s",
-                             stop=rule.certainly_failed, drain_s=rule.slo_ms / 1000 + 1.0, mix=None,
-                             poll=False)
+        if stage == "coarse":
+            stop, drain_s = certainly_failed, rule.slo_ms / 1000 + 1.0
+        else:
+            stop, drain_s = far_gone, 2 * rule.slo_ms / 1000 + 1.0
+        result = run_profile(base, profile, plan, f"{label} {stage} {rate:.3f}/s", arrivals=arrivals, stop=stop,
+                             drain_s=drain_s, mix=None, poll=False)
+        noise = NOISE.mean(t0, time.monotonic())
         recs = result.records
-        passed = rule.passed(recs) and not result.stopped_early
-        e2e = [r.e2e_ms for r in recs if r.ok and r.e2e_ms is not None]
-        probe = Probe(round(rate, 3), passed, len(recs), sum(1 for r in recs if not r.ok),
-                      None if not e2e else round(percentile(e2e, 99) or 0, 1), result.stopped_early)
-        log(f"  {label} probe {rate:5.2f} req/s: {'pass' if passed else 'FAIL'}  n={probe.requests} "
-            f"(others {NOISE.mean(t0, time.monotonic())} cores) "
-            f"errors={probe.errors} p99={probe.p99_e2e_ms} ms{' (stopped early)' if probe.stopped_early else ''}"
-            + (f"; first error: {first_error(recs)}" if probe.errors else ""))
+        passed, late, errors = judge(rule, recs, warm)
+        e2e = [r.e2e_ms for r in recs[warm:] if r.ok and r.e2e_ms is not None]
+        fit = None
+        if stage == "fine":
+            fit = fit_p99(e2e) if not errors and not result.stopped_early else None
+            passed = fit is not None and fit <= rule.slo_ms
+        else:
+            passed = passed and not result.stopped_early
+        probe = Probe(round(rate, 4), passed, len(recs), errors,
+                      None if not e2e else round(percentile(e2e, 99) or 0, 1), result.stopped_early, stage, late,
+                      None if not e2e else round(max(e2e), 1), noise, repeated, None if fit is None else round(fit, 1))
+        log(f"  {label} {stage:6s} probe {rate:6.3f} req/s: {'pass' if passed else 'FAIL'}  n={probe.requests}/{n} "
+            f"late={late} errors={errors} max={probe.max_e2e_ms} ms"
+            + (f" fit p99={probe.p99_fit_ms} ms" if stage == "fine" else "")
+            + f" (others {noise} cores){' (stopped early)' if probe.stopped_early else ''}"
+            + (f"; first error: {first_error(recs[warm:])}" if errors else ""))
         wait_idle(base, brownout)
         return probe
 
-    cal = calibrate(measure, start_rps, growth=growth, bisect_steps=plan.bisect_steps)
-    log(f"{label} capacity: {cal.capacity_rps:.2f} req/s ({len(cal.probes)} probes)")
+    t0 = time.monotonic()
+    cal = calibrate_fit(lambda r: measure(r, "coarse"), lambda r: measure(r, "fine"), start_rps,
+                        target_ms=rule.slo_ms, growth=growth, coarse_tol=plan.coarse_tol,
+                        coarse_steps=plan.bisect_steps, spread=plan.spread)
+    log(f"{label} capacity: {cal.capacity_rps:.3f} req/s ({len(cal.probes)} probes, {time.monotonic() - t0:.0f} s)")
     return cal
 
 
@@ -392,6 +519,7 @@ def warm_up(base: str, plan: Plan, brownout: bool, label: str) -> dict[str, Any]
 
 def calibration_doc(cal: Calibration) -> dict[str, Any]:
     return {"capacity_rps": round(cal.capacity_rps, 3), "bracketed": cal.bracketed,
+            "upper_rps": None if cal.upper_rps is None else round(cal.upper_rps, 3),
             "probes": [p.__dict__ for p in cal.probes]}
 
 
@@ -430,10 +558,19 @@ class Bench:
 # -- the cluster -------------------------------------------------------------------------------
 
 def serve_config(http_port: int, data_dir: Path) -> dict[str, Any]:
-    """serve_config.yaml, unchanged but for the HTTP port and a private data folder."""
+    """serve_config.yaml, unchanged but for the HTTP port, a private data folder and a private
+    API key and admin token (`bench.secrets`: limits far above any benchmark rate)."""
+    from bench.secrets import local_secrets
+
     config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     config["http_options"]["port"] = http_port
-    config["applications"][0]["args"]["enrichments"]["data_dir"] = str(data_dir)
+    args = config["applications"][0]["args"]
+    args["enrichments"]["data_dir"] = str(data_dir)
+    auth, headers = local_secrets(data_dir.parent / "secrets")
+    args["auth"] = {**args.get("auth", {}), **auth}
+    HEADERS.update(headers)
+    # `vllm bench serve` (openai-chat backend) sends OPENAI_API_KEY as its bearer token
+    os.environ["OPENAI_API_KEY"] = headers["Authorization"].removeprefix("Bearer ")
     return config
 
 
@@ -493,29 +630,141 @@ def deploy_builtin(http_port: int, config: dict[str, Any]) -> None:
     wait_app("builtin")
 
 
+class Cluster:
+    """A private local Ray cluster (temp dir, free ports) and the config to deploy on it."""
+
+    def __init__(self, plan: Plan, what: str) -> None:
+        import ray
+
+        self.tmp = Path(tempfile.mkdtemp(prefix="bo-overload-"))
+        self.http_port, self.dash_port = free_port(), free_port()
+        self.base = f"http://127.0.0.1:{self.http_port}"
+        self.dashboard = f"http://127.0.0.1:{self.dash_port}"
+        self.config = serve_config(self.http_port, self.tmp / "data")
+        self.policy_doc = ingress_policy(self.config)
+        if "slo" in self.policy_doc["degradation"]:
+            # The server holds the SLO the benchmark judges by: admission and the derived levels
+            # aim at the same objective as the goodput figures.
+            self.policy_doc["degradation"]["slo"]["e2e_p99_ms"] = plan.slo.slo_ms
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        log(f"Ray cluster (private, {self.tmp.name}); {what}; SLO p99 e2e {plan.slo.slo_ms:g} ms")
+        # 4 logical CPUs: the built-in app needs its engine, router and ingress; one app at a time.
+        ray.init(address="local", num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1",
+                 dashboard_port=self.dash_port, _temp_dir=str(self.tmp / "ray"), log_to_driver=False)
+
+    def close(self) -> None:
+        import ray
+        from ray import serve
+
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def calibrate_pair(bench: Bench, base: str, plan: Plan, suffix: str = "",
+                   c0_given: float | None = None) -> tuple[float, dict[str, Any]]:
+    """Level 0 pinned: warm up, calibrate C0 (unless given); returns C0 and the unloaded figures."""
+    pin_level(base, 0)
+    unloaded = warm_up(base, plan, True, f"Brownout level 0{suffix}")
+    if c0_given is not None:
+        bench.capacity[f"C0{suffix}"] = {"capacity_rps": c0_given, "given": True}
+        return c0_given, unloaded
+    cal = bench.timed(f"calibrate_c0{suffix}", lambda: measure_capacity(base, plan, f"C0{suffix} (level 0)", 1.0,
+                                                                        2.0, True))
+    bench.capacity[f"C0{suffix}"] = calibration_doc(cal)
+    return cal.capacity_rps, unloaded
+
+
+def calibrate_c3(bench: Bench, base: str, plan: Plan, c0: float, suffix: str = "") -> tuple[float, dict[str, Any]]:
+    """Level 3 pinned: warm up, calibrate C3 (the ramp starts at 1.25 x C0)."""
+    pin_level(base, 3)
+    unloaded = warm_up(base, plan, True, f"Brownout level 3{suffix}")
+    cal = bench.timed(f"calibrate_c3{suffix}", lambda: measure_capacity(
+        base, plan, f"C3{suffix} (level 3)", 1.25 * c0 if c0 > 0 else 1.0, 1.5, True))
+    bench.capacity[f"C3{suffix}"] = calibration_doc(cal)
+    return cal.capacity_rps, unloaded
+
+
+def rel_diff(values: Sequence[float]) -> float | None:
+    """(max - min) / min: how far apart repeated measurements are, relative to the smaller."""
+    if not values or min(values) <= 0:
+        return None
+    return round((max(values) - min(values)) / min(values), 4)
+
+
+def calibrate_only(args: argparse.Namespace) -> int:
+    """Deploy once; calibrate C0 and C3 ``--repeats`` times back to back (admission off, as the
+    comparison's calibrations); write ``repeatability.json``: both pairs, their relative
+    differences."""
+    plan = Plan(args)
+    bench = Bench(plan)
+    t_start = time.monotonic()
+    NOISE.start()
+    cluster = Cluster(plan, f"calibration only, {args.repeats} x (C0, C3)")
+    base = cluster.base
+    pairs: list[dict[str, Any]] = []
+    try:
+        log("deploying Brownout (serve deploy serve_config.yaml)")
+        bench.timed("deploy_brownout", lambda: deploy_brownout(cluster.dashboard, cluster.config, cluster.tmp))
+        wait_healthy(base, "/healthz")
+        set_admission(base, cluster.policy_doc, enabled=False)
+        for i in range(1, args.repeats + 1):
+            t0 = time.monotonic()
+            c0, unloaded0 = calibrate_pair(bench, base, plan, f" #{i}")
+            c3, unloaded3 = calibrate_c3(bench, base, plan, c0, f" #{i}")
+            pairs.append({"repeat": i, "C0_rps": round(c0, 3), "C3_rps": round(c3, 3),
+                          "C0": bench.capacity[f"C0 #{i}"], "C3": bench.capacity[f"C3 #{i}"],
+                          "unloaded": {"level 0": unloaded0, "level 3": unloaded3},
+                          "wall_s": round(time.monotonic() - t0, 1),
+                          "other_cpu_cores": NOISE.mean(t0, time.monotonic())})
+            log(f"repeat {i}: C0 {c0:.3f}, C3 {c3:.3f} req/s in {(time.monotonic() - t0) / 60:.1f} min")
+    except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - keep what was measured
+        failed = f"{type(err).__name__}: {err}"
+        log(f"FAILED: {failed}")
+    else:
+        failed = None
+    finally:
+        cluster.close()
+    total_s = time.monotonic() - t_start
+    diffs = {k: rel_diff([p[f"{k}_rps"] for p in pairs]) if len(pairs) > 1 else None for k in ("C0", "C3")}
+    doc = {
+        "what": (f"C0 and C3 calibrated {args.repeats} times back to back on one deployment (level pinned through "
+                 "the admin API, admission off), to show how far apart two runs of the calibration land"),
+        "meta": meta(plan, args, total_s, bench.phases),
+        "failed": failed,
+        "pairs": [{k: p[k] for k in ("repeat", "C0_rps", "C3_rps", "wall_s", "other_cpu_cores")} for p in pairs],
+        "relative_difference": diffs,
+        "relative_difference_rule": "(max - min) / min over the repeats",
+        "within_20pct": {k: None if v is None else v <= 0.20 for k, v in diffs.items()},
+        "calibrations": pairs,
+    }
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{args.name or 'repeatability'}.json"
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    print()
+    for p in pairs:
+        print(f"repeat {p['repeat']}: C0 {p['C0_rps']:.3f} req/s, C3 {p['C3_rps']:.3f} req/s "
+              f"({p['wall_s'] / 60:.1f} min, other processes {p['other_cpu_cores']} cores)")
+    print(f"relative difference ((max - min) / min): C0 {diffs['C0']}, C3 {diffs['C3']}")
+    print_phases(bench.phases, total_s)
+    log(f"wrote {path} in {total_s / 60:.1f} min")
+    return 1 if failed else 0
+
+
 def comparison(args: argparse.Namespace) -> int:
-    import ray
     from ray import serve
 
     plan = Plan(args)
     bench = Bench(plan)
     t_start = time.monotonic()
     NOISE.start()
-    tmp = Path(tempfile.mkdtemp(prefix="bo-overload-"))
-    http_port, dash_port = free_port(), free_port()
-    base = f"http://127.0.0.1:{http_port}"
-    config = serve_config(http_port, tmp / "data")
-    policy_doc = ingress_policy(config)
-    if "slo" in policy_doc["degradation"]:
-        # The server holds the SLO the benchmark judges by: admission and the derived levels
-        # aim at the same objective as the goodput figures.
-        policy_doc["degradation"]["slo"]["e2e_p99_ms"] = plan.slo.slo_ms
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    log(f"Ray cluster (private, {tmp.name}); runs: {', '.join(plan.runs)}; SLO p99 e2e {plan.slo.slo_ms:g} ms")
-    # 4 logical CPUs: the built-in app needs its engine, router and ingress; one app at a time.
-    ray.init(address="local", num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1",
-             dashboard_port=dash_port, _temp_dir=str(tmp / "ray"), log_to_driver=False)
+    cluster = Cluster(plan, f"runs: {', '.join(plan.runs)}")
+    tmp, http_port, dash_port, base = cluster.tmp, cluster.http_port, cluster.dash_port, cluster.base
+    config, policy_doc = cluster.config, cluster.policy_doc
     c0 = args.c0
     c3 = args.c3
     try:
@@ -528,14 +777,7 @@ def comparison(args: argparse.Namespace) -> int:
             # on or off, every request admitted): the service as it was before it held the SLO.
             # The adaptive runs get the policy as deployed, admission on (reset_policy).
             set_admission(base, policy_doc, enabled=False)
-            pin_level(base, 0)
-            bench.unloaded["brownout level 0"] = warm_up(base, plan, True, "Brownout level 0")
-            if c0 is None:
-                cal = bench.timed("calibrate_c0", lambda: measure_capacity(base, plan, "C0 (level 0)", 2.0, 2.0, True))
-                c0 = cal.capacity_rps
-                bench.capacity["C0"] = calibration_doc(cal)
-            else:
-                bench.capacity["C0"] = {"capacity_rps": c0, "given": True}
+            c0, bench.unloaded["brownout level 0"] = calibrate_pair(bench, base, plan, c0_given=c0)
             if c0 <= 0:
                 raise RuntimeError(
                     f"C0 is 0: no probe met the SLO ({plan.slo.slo_ms:g} ms) with level 0 pinned; one request "
@@ -552,13 +794,11 @@ def comparison(args: argparse.Namespace) -> int:
                 bench.vllm_bench = bench.timed("vllm_bench_serve", lambda: vllm_bench_serve(
                     base, tmp, plan, num_prompts=prompts, rate_rps=0.5 * c0))
             if "pinned3" in plan.runs or (c3 is None and "adaptive" in plan.runs):
-                pin_level(base, 3)
-                bench.unloaded["brownout level 3"] = warm_up(base, plan, True, "Brownout level 3")
                 if c3 is None:
-                    cal = bench.timed("calibrate_c3", lambda: measure_capacity(
-                        base, plan, "C3 (level 3)", 1.25 * c0, 1.5, True))
-                    c3 = cal.capacity_rps
-                    bench.capacity["C3"] = calibration_doc(cal)
+                    c3, bench.unloaded["brownout level 3"] = calibrate_c3(bench, base, plan, c0)
+                else:
+                    pin_level(base, 3)
+                    bench.unloaded["brownout level 3"] = warm_up(base, plan, True, "Brownout level 3")
                 if "pinned3" in plan.runs:
                     for tag, rate in loads.items():
                         bench.timed(f"pinned3_{tag}", lambda tag=tag, rate=rate: bench.run(
@@ -595,11 +835,7 @@ def comparison(args: argparse.Namespace) -> int:
     else:
         failed = None
     finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            shutil.rmtree(tmp, ignore_errors=True)
+        cluster.close()
 
     total_s = time.monotonic() - t_start
     doc = {
@@ -607,7 +843,7 @@ def comparison(args: argparse.Namespace) -> int:
         "failed": failed,
         "capacity": bench.capacity,
         "unloaded": bench.unloaded,
-        "ratios": ratios(bench.runs, bench.capacity, plan.slo.slo_ms),
+        "ratios": ratios(bench.runs, bench.capacity, plan.slo.slo_ms, bench.unloaded),
         "vllm_bench_serve": bench.vllm_bench,
         "runs": bench.runs,
     }
@@ -635,13 +871,32 @@ def meta(plan: Plan, args: argparse.Namespace, total_s: float, phases: dict[str,
         "request": {"endpoint": "/v1/chat/completions", "stream": True, "max_tokens": plan.max_tokens,
                     "ignore_eos": True, "arrivals": "Poisson (open loop)",
                     "criticality_mix": dict(plan.mix) if plan.mix else None},
-        "durations_s": {"probe": plan.probe_s, "run": plan.run_s, "drain": plan.drain_s,
+        "durations_s": {"run": plan.run_s, "drain": plan.drain_s,
                         "step": [plan.step_low_s, plan.step_high_s, plan.step_low_s]},
-        "bisect_steps": plan.bisect_steps,
+        "calibration": calibration_meta(plan),
         "quick": plan.quick,
         "wall_s": round(total_s, 1),
         "other_cpu_cores_mean": NOISE.mean(0.0, float("inf")),
         "phases_s": phases,
+    }
+
+
+def calibration_meta(plan: Plan) -> dict[str, Any]:
+    return {
+        "trace": ("fresh Poisson schedule per probe" if plan.trace_seed is None else
+                  f"one Poisson trace (seed {plan.trace_seed}: median burstiness of seeds 0-40 for "
+                  f"{plan.probe_n} arrivals, unless --trace-seed) scaled to each probe's rate; new prompts"),
+        "trace_seed": plan.trace_seed,
+        "arrivals": {"coarse": plan.coarse_n, "fine": plan.probe_n, "fine_max_s": plan.max_probe_s,
+                     "fine_min_s": plan.probe_s, "not_judged_first": plan.warmup_n},
+        "rule": ("a coarse probe passes when none of its judged requests failed or was late; a fine probe "
+                 "when none failed and its fitted p99 is within the SLO"),
+        "search": {"coarse_tol": plan.coarse_tol, "coarse_max_bisections": plan.bisect_steps,
+                   "fine_rates_x_coarse_capacity": list(plan.spread)},
+        "capacity": ("where the least-squares line through the fine probes' (rate, p99) reaches the SLO; "
+                     "p99 of a probe = mean + 2.33 sd of its judged latencies (a normal fit)"),
+        "failed_probe_repeated_above_other_cores": plan.noisy_cores,
+        "noisy_repeats_at_most": plan.noisy_repeats,
     }
 
 
@@ -653,8 +908,9 @@ def _div(a: float | None, b: float | None, nd: int = 3) -> float | None:
     return None if a is None or not b else round(a / b, nd)
 
 
-def ratios(runs: Sequence[dict[str, Any]], capacity: dict[str, Any], slo_ms: float) -> dict[str, Any]:
-    """The figures the admission work must move, per system where they apply."""
+def ratios(runs: Sequence[dict[str, Any]], capacity: dict[str, Any], slo_ms: float,
+           unloaded: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The figures the admission work is judged by, per system where they apply."""
     c3 = (capacity.get("C3") or {}).get("capacity_rps")
     cb = (capacity.get("builtin") or {}).get("capacity_rps")
     out: dict[str, Any] = {}
@@ -666,9 +922,30 @@ def ratios(runs: Sequence[dict[str, Any]], capacity: dict[str, Any], slo_ms: flo
         if mid:
             out[f"{system}: p99 at 1.5xC0 / SLO"] = _div(mid["overall"]["e2e_ms"]["p99"], slo_ms)
     p0, pa = _find(runs, "pinned0 @1.5x"), _find(runs, "adaptive @1.5x")
+    if pa:
+        out["adaptive: within the SLO at 1.5xC0"] = pa["overall"]["good_ratio"]
     if p0 and pa:
         out["pinned0 p99 / adaptive p99 at 1.5xC0"] = _div(p0["overall"]["e2e_ms"]["p99"], pa["overall"]["e2e_ms"]["p99"])
+    hi = _find(runs, "adaptive @3x")
+    if hi:
+        o = hi["overall"]
+        out["adaptive @3x: median time to refusal ms"] = o.get("refusal_p50_ms")
+        out["adaptive @3x: non-200 that are 429/503 with Retry-After"] = o.get("non200_shed_retry_after_share")
+        out["adaptive @3x: client time-outs"] = o.get("client_timeouts")
+        cls = hi.get("classes")
+        if cls:
+            pc = cls["per_class"]
+            out["adaptive @3x: within the SLO per class"] = {c: v["good_ratio"] for c, v in pc.items()}
+            out["adaptive @3x: shed rate per class"] = {c: v["shed_ratio"] for c, v in pc.items()}
+            out["adaptive @3x: shed sheddable >= standard >= critical"] = cls["shed_order_ok"]
+            out["adaptive @3x: critical >= 99% within the SLO"] = cls["critical_good_ok"]
     out["C3 / built-in capacity"] = _div(c3, cb)
+    u = unloaded or {}
+    ub = (u.get("builtin") or {}).get("unloaded_e2e_ms_p50")
+    for level in (0, 3):
+        mine = (u.get(f"brownout level {level}") or {}).get("unloaded_e2e_ms_p50")
+        if mine is not None and ub:
+            out[f"one at a time: e2e p50 Brownout level {level} / built-in"] = _div(mine, ub)
     stepped = _find(runs, "adaptive step")
     if stepped and stepped["load_steps_s"]:
         timeline = [(p["t_s"], p["level"]) for p in stepped["levels"]]
@@ -676,6 +953,7 @@ def ratios(runs: Sequence[dict[str, Any]], capacity: dict[str, Any], slo_ms: flo
         out["reaction s (load step -> level >= 1)"] = rep.reaction_s(timeline, at_step, 1)
         # 0 s above means the level was already >= 1 when the load stepped up: this says which
         out["level at the load step"] = next((lv for t, lv in reversed(timeline) if t <= at_step), None)
+        out["SLO met again s after the step down"] = stepped.get("slo_met_again_s")
     osc = _find(runs, "adaptive oscillate")
     if osc:
         out["level changes under oscillation"] = osc["level_changes"]
@@ -697,19 +975,25 @@ def plot(doc: dict[str, Any], path: Path, slo_ms: float) -> None:
     title = (f"Brownout overload benchmark ({doc['meta']['machine']['cpus']} CPUs, SLO p99 {slo_ms / 1000:g} s): "
              + ", ".join(f"{k} {v:.2f} req/s" for k, v in caps.items() if v is not None))
     notes = [f"{k} capacity {v:.2f} req/s" for k, v in caps.items() if v is not None] + [""]
-    notes += [f"{k}: {v}" for k, v in doc["ratios"].items() if not k.startswith(("pinned", "builtin"))]
+    notes += [f"{k}: {_compact(v)}" for k, v in doc["ratios"].items() if not k.startswith(("pinned", "builtin"))]
     rep.plot_runs(runs, str(path), title, slo_ms, summary_rows(doc), notes)
 
 
+def _compact(v: Any) -> str:
+    return ", ".join(f"{k} {x}" for k, x in v.items()) if isinstance(v, dict) else str(v)
+
+
 def table(runs: Sequence[dict[str, Any]]) -> str:
-    head = ("run", "offered", "thru", "goodput", "p50 ms", "p99 ms", "ttft p99", "shed", "other err", "max lvl",
-            "noise")
+    head = ("run", "offered", "thru", "goodput", "p50 ms", "p99 ms", "ttft p99", "shed", "other err", "refuse ms",
+            "RA", "t/o", "max lvl", "noise")
     rows = [head]
     for r in runs:
         o = r["overall"]
+        ra = o.get("non200_shed_retry_after_share")
         rows.append((r["name"], f"{o['offered_rps']:.2f}", f"{o['throughput_rps']:.2f}", f"{o['goodput_rps']:.2f}",
                      _fmt(o["e2e_ms"]["p50"]), _fmt(o["e2e_ms"]["p99"]), _fmt(o["ttft_ms"]["p99"]),
-                     str(o["shed"]), str(o["errors"] - o["shed"]),
+                     str(o["shed"]), str(o["errors"] - o["shed"]), _fmt(o.get("refusal_p50_ms")),
+                     "-" if ra is None else f"{ra:.0%}", str(o.get("client_timeouts", "-")),
                      "-" if o["max_level_seen"] is None else str(o["max_level_seen"]),
                      "-" if r.get("other_cpu_cores") is None else f"{r['other_cpu_cores']:.2f}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
@@ -721,6 +1005,24 @@ def table(runs: Sequence[dict[str, Any]]) -> str:
 
 def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.0f}"
+
+
+def class_table(runs: Sequence[dict[str, Any]]) -> str:
+    """Per run with a criticality mix: per class within the SLO / shed, and the two checks."""
+    lines = []
+    for r in runs:
+        cls = r.get("classes")
+        if not cls:
+            continue
+        cells = "  ".join(f"{c} {v['good_ratio']:.0%}/{v['shed_ratio']:.0%}" for c, v in cls["per_class"].items()
+                          if v["good_ratio"] is not None)
+        lines.append(f"  {r['name']:20s} {cells}  shed order ok: {_yn(cls['shed_order_ok'])}, "
+                     f"critical >= 99%: {_yn(cls['critical_good_ok'])}")
+    return "\n".join(lines)
+
+
+def _yn(x: bool | None) -> str:
+    return "-" if x is None else ("yes" if x else "NO")
 
 
 def print_summary(doc: dict[str, Any]) -> None:
@@ -735,7 +1037,14 @@ def print_summary(doc: dict[str, Any]) -> None:
     print()
     print("rates in req/s; latencies end to end from the scheduled time, over completed requests;")
     print("noise: CPU cores used meanwhile by processes outside this benchmark (other work on the machine)")
+    print("refuse ms: median time to refusal of non-200 answers (sent -> response); RA: share of non-200 that are")
+    print("429/503 with Retry-After; t/o: client time-outs (cut off at the end of the run)")
     print(table(doc["runs"]))
+    classes = class_table(doc["runs"])
+    if classes:
+        print()
+        print("per class: within the SLO / shed (429/503), of the class's requests:")
+        print(classes)
     vb = doc.get("vllm_bench_serve")
     if vb:
         print()
@@ -750,6 +1059,13 @@ def print_summary(doc: dict[str, Any]) -> None:
     print("ratios:")
     for k, v in doc["ratios"].items():
         print(f"  {k}: {v}")
+    print_phases(doc["meta"].get("phases_s") or {}, doc["meta"].get("wall_s") or 0.0)
+
+
+def print_phases(phases: dict[str, float], total_s: float) -> None:
+    print()
+    print(f"phases (s), {total_s / 60:.1f} min in all:")
+    print("  " + ", ".join(f"{k} {v:.0f}" for k, v in phases.items()))
 
 
 # -- one profile against a running server ------------------------------------------------------
@@ -758,8 +1074,12 @@ def single(args: argparse.Namespace) -> int:
     # No noise figure here: the server is not this command's child, so its own CPU would count.
     plan = Plan(args)
     base = args.url.rstrip("/")
+    from bench.secrets import env_headers
+
+    HEADERS.update(env_headers())
+    os.environ.setdefault("OPENAI_API_KEY", HEADERS.get("Authorization", "Bearer none").removeprefix("Bearer "))
     wait_healthy(base, "/v1/models", timeout_s=10)
-    brownout = httpx.get(base + "/admin/brownout", timeout=10).status_code != 404
+    brownout = httpx.get(base + "/admin/brownout", timeout=10, headers=HEADERS).status_code != 404
     if args.profile == "calibrate":
         cal = measure_capacity(base, plan, "capacity", args.rate or 2.0, 2.0, brownout)
         print(json.dumps(calibration_doc(cal), indent=1))
@@ -784,10 +1104,16 @@ def single(args: argparse.Namespace) -> int:
     stem = args.name or f"loadgen_{args.profile}"
     doc = {"meta": meta(plan, args, 0.0, {}), "capacity": {}, "runs": [run],
            "reaction_s": rep.reaction_s([(p["t_s"], p["level"]) for p in run["levels"]], run["load_steps_s"][0])
-           if run["load_steps_s"] else None}
+           if run["load_steps_s"] else None,
+           "slo_met_again_s": run["slo_met_again_s"]}
     (out_dir / f"{stem}.json").write_text(json.dumps(doc, indent=1) + "\n")
     rep.plot_runs([run], str(out_dir / f"{stem}.png"), f"{profile.name} against {base}", plan.slo.slo_ms)
     print(table([run]))
+    if class_table([run]):
+        print(class_table([run]))
+    if doc["reaction_s"] is not None or doc["slo_met_again_s"] is not None:
+        print(f"reaction s (load step -> level >= 1): {doc['reaction_s']}; "
+              f"SLO met again s after the step down: {doc['slo_met_again_s']}")
     return 0
 
 
@@ -801,10 +1127,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-mix", action="store_true", help="send no criticality header")
     ap.add_argument("--c0", type=float, default=None, help="use this C0 instead of calibrating it")
     ap.add_argument("--c3", type=float, default=None, help="use this C3 instead of calibrating it")
-    ap.add_argument("--probe-s", type=float, default=None, help="seconds per calibration probe")
+    ap.add_argument("--probe-n", type=int, default=None,
+                    help="arrivals of a full-length (fine) calibration probe (default 30, --quick 24)")
+    ap.add_argument("--coarse-n", type=int, default=None,
+                    help="arrivals of a coarse calibration probe, a prefix of the trace (default: the shortest "
+                    "that holds the trace's worst burst)")
+    ap.add_argument("--probe-s", type=float, default=None,
+                    help="a fine probe sends at least this many seconds' worth of arrivals")
     ap.add_argument("--run-s", type=float, default=None, help="seconds per fixed-rate run")
     ap.add_argument("--drain-s", type=float, default=None, help="wait this long for stragglers after a run")
-    ap.add_argument("--bisect", type=int, default=None, help="bisection steps of the calibration")
+    ap.add_argument("--bisect", type=int, default=None, help="at most this many coarse bisection steps (default 4)")
+    ap.add_argument("--trace-seed", type=int, default=None,
+                    help="the calibration trace's seed (default: the median-burstiness one of seeds 0-40)")
+    ap.add_argument("--fresh-trace", action="store_true",
+                    help="a fresh Poisson schedule for every calibration probe (noisier)")
+    ap.add_argument("--calibrate-only", action="store_true",
+                    help="deploy once, calibrate C0 and C3 --repeats times back to back, write repeatability.json")
+    ap.add_argument("--repeats", type=int, default=2, help="with --calibrate-only: how many (C0, C3) pairs")
     ap.add_argument("--seed", type=int, default=None, help="fix the prompts and schedules (default: fresh per run)")
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--name", default=None, help="file stem of the report and figure")
@@ -816,6 +1155,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, default=None, help="req/s of --profile fixed (start of calibrate)")
     ap.add_argument("--capacity", type=float, default=None, help="the capacity --profile step/oscillate scale")
     args = ap.parse_args(argv)
+    if args.calibrate_only:
+        return calibrate_only(args)
     return single(args) if args.url else comparison(args)
 
 

@@ -11,6 +11,13 @@ Definitions (every figure in the report uses these):
 - latency percentiles (linear interpolation) are over ok requests; TTFT is from the scheduled
   time to the first content token;
 - *shed* = answered with 429 or 503 (refused at once, typically with ``Retry-After``);
+- *client time-outs*: requests the client gave up on (cut off at the end of a run, or an httpx
+  time-out); *non-200*: every other request that did not get HTTP 200 (an error status, or a
+  connection error); *time to refusal*: from when a non-200 request was sent to its response;
+- *SLO met again* after a step down: seconds from the step down to the start of the first 5 s
+  window (sliding by 0.5 s, binned by arrival) whose p99 end to end is within the SLO, over the
+  requests of the window that were not refused (429/503), one that did not complete counting
+  as late;
 - windows (5 s by default): arrivals, and the latencies of the requests that arrived in the
   window, are binned by scheduled time; completions and goodput by completion time.
 """
@@ -26,6 +33,7 @@ from bench.loadgen import CLASSES, CONN_ERROR, CUT_OFF, RequestRecord, RunResult
 from deployments.window import percentile  # the project's one percentile (numpy's linear rule)
 
 SHED_STATUSES = (429, 503)
+NEVER_MS = 1e12  # the latency of a request that never completed, in a percentile
 
 
 def status_key(rec: RequestRecord) -> str:
@@ -36,6 +44,57 @@ def status_key(rec: RequestRecord) -> str:
     if rec.status == 200 and not rec.ok:
         return "200_stream_error"
     return str(rec.status)
+
+
+def is_timeout(rec: RequestRecord) -> bool:
+    """The client gave up: cut off at the end of the run, or an httpx time-out."""
+    return rec.status == CUT_OFF or (rec.error or "").split(":")[0].endswith("Timeout")
+
+
+def refusals(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """How requests that did not get HTTP 200 were answered (see the module docstring)."""
+    non200 = [r for r in records if r.status != 200 and not is_timeout(r)]
+    answered = [r for r in non200 if r.status not in (None, CONN_ERROR) and r.sent_s is not None
+                and r.done_s is not None]
+    with_ra = [r for r in non200 if r.status in SHED_STATUSES and "retry-after" in r.headers]
+    return {
+        "non200": len(non200),
+        "refusal_p50_ms": _r(percentile([(r.done_s - r.sent_s) * 1000.0 for r in answered], 50)),  # type: ignore[operator]
+        "non200_shed_retry_after_share": _r(len(with_ra) / len(non200), 4) if non200 else None,
+        "client_timeouts": sum(1 for r in records if is_timeout(r)),
+    }
+
+
+def slo_met_again_s(records: Sequence[RequestRecord], step_down_s: float, slo_ms: float, end_s: float,
+                    window_s: float = 5.0, slide_s: float = 0.5) -> float | None:
+    """Seconds from the step down to the first window whose p99 is within the SLO (see the module
+    docstring); None if no window that ends by ``end_s`` is."""
+    k = 0
+    while step_down_s + k * slide_s + window_s <= end_s + 1e-9:
+        t0 = step_down_s + k * slide_s
+        served = [r for r in records if t0 <= r.scheduled_s < t0 + window_s and r.status not in SHED_STATUSES]
+        e2e = [r.e2e_ms if r.ok and r.e2e_ms is not None else NEVER_MS for r in served]
+        p99 = percentile(e2e, 99)
+        if p99 is not None and p99 <= slo_ms:
+            return round(k * slide_s, 3)
+        k += 1
+    return None
+
+
+def class_figures(per_class_summary: dict[str, dict[str, Any]], min_critical_good: float = 0.99) -> dict[str, Any] | None:
+    """Per class: the share of requests that succeeded within the SLO and the shed rate; whether
+    the shed rates are ordered sheddable >= standard >= critical (over the classes present) and
+    whether critical requests met the SLO at least ``min_critical_good`` of the time."""
+    if not per_class_summary:
+        return None
+    shed = [per_class_summary[c]["shed_ratio"] for c in reversed(CLASSES) if c in per_class_summary]
+    crit = per_class_summary.get("critical", {}).get("good_ratio")
+    return {
+        "per_class": {c: {"requests": v["requests"], "good_ratio": v["good_ratio"], "shed_ratio": v["shed_ratio"]}
+                      for c, v in per_class_summary.items()},
+        "shed_order_ok": all(a >= b for a, b in zip(shed, shed[1:], strict=False)) if len(shed) > 1 else None,
+        "critical_good_ok": None if crit is None else crit >= min_critical_good,
+    }
 
 
 def _r(x: float | None, nd: int = 1) -> float | None:
@@ -75,6 +134,7 @@ def summarize(records: Sequence[RequestRecord], slo_ms: float, span_s: float,
         "ttft_ms": {f"p{q}": _r(percentile(ttft, q)) for q in (50, 90, 99)},
         "max_level_seen": max((r.level for r in records if r.level is not None), default=None),
         "active_s": _r(denom, 2),
+        **refusals(records),
     }
 
 
@@ -148,6 +208,8 @@ def run_report(name: str, result: RunResult, slo_ms: float, window_s: float = 5.
     """Everything about one run, JSON-ready."""
     span = result.span_s
     timeline = level_timeline(result)
+    steps = result.profile.change_points_s
+    classes = per_class(result.records, slo_ms, span)
     return {
         "name": name,
         "profile": result.profile.name,
@@ -156,11 +218,14 @@ def run_report(name: str, result: RunResult, slo_ms: float, window_s: float = 5.
         "stopped_early": result.stopped_early,
         **extra,
         "overall": summarize(result.records, slo_ms, span),
-        "per_class": per_class(result.records, slo_ms, span),
+        "per_class": classes,
+        "classes": class_figures(classes),
         "windows": windows(result.records, slo_ms, span, window_s),
         "levels": [{"t_s": t, "level": lv} for t, lv in timeline],
         "level_changes": level_changes(timeline),
-        "load_steps_s": result.profile.change_points_s,
+        "load_steps_s": steps,
+        # a step profile (up, then down): how soon the SLO held again after the load fell
+        "slo_met_again_s": slo_met_again_s(result.records, steps[1], slo_ms, span, window_s) if len(steps) == 2 else None,
         "offered_curve": [{"t_s": round(t, 2), "rps": round(result.profile.rate_at(t), 3)}
                           for t in _frange(0.0, span, max(0.5, span / 200))],
     }

@@ -23,8 +23,11 @@ from bench.loadgen import (
     RunResult,
     SloRule,
     calibrate,
-    calibrate_staged,
+    calibrate_fit,
     constant,
+    crossing,
+    decisive_prefix,
+    fit_p99,
     make_prompt,
     median_trace_seed,
     oscillate,
@@ -162,40 +165,73 @@ def test_calibrate_stops_bisecting_within_the_tolerance() -> None:
     assert len(calls) == 5  # 2 pass, 4 fail, bisect 3 (fail), 2.5 (pass), 2.75 (pass): 2.75..3 is 9%
 
 
-def staged_server(coarse_cap: float, fine_cap: float):  # type: ignore[no-untyped-def]
-    """Coarse probes (a prefix) pass up to coarse_cap, whole ones only up to fine_cap <= it."""
+def fitted_server(coarse_cap: float, p99_ms, noise_ms: float = 0.0, seed: int = 0, broken_above: float = 1e9):  # type: ignore[no-untyped-def]
+    """Coarse probes pass up to coarse_cap; a fine probe at rate r measures p99_ms(r) (+ noise),
+    or fails outright (errors) above ``broken_above``."""
+    rng = random.Random(seed)
     calls: list[tuple[str, float]] = []
 
-    def make(stage: str, cap: float):  # type: ignore[no-untyped-def]
-        def measure(rate: float) -> Probe:
-            calls.append((stage, rate))
-            return Probe(rate, rate <= cap, 40, 0, None, stage=stage)
-        return measure
+    def coarse(rate: float) -> Probe:
+        calls.append(("coarse", rate))
+        return Probe(rate, rate <= coarse_cap, 12, 0, None, stage="coarse")
 
-    return make("coarse", coarse_cap), make("fine", fine_cap), calls
+    def fine(rate: float) -> Probe:
+        calls.append(("fine", rate))
+        if rate > broken_above:
+            return Probe(rate, False, 24, 3, None, stage="fine")
+        value = p99_ms(rate) + rng.gauss(0.0, noise_ms)
+        return Probe(rate, value <= 4000.0, 24, 0, None, stage="fine", p99_fit_ms=value)
 
-
-@pytest.mark.parametrize("coarse_cap, fine_cap", [(0.7, 0.7), (0.7, 0.66), (0.7, 0.5), (0.7, 0.3), (1.3, 1.25),
-                                                  (5.0, 4.0)])
-def test_calibrate_staged_reports_a_rate_a_whole_probe_passed(coarse_cap: float, fine_cap: float) -> None:
-    coarse, fine, calls = staged_server(coarse_cap, fine_cap)
-    cal = calibrate_staged(coarse, fine, 2.0, growth=2.0, coarse_tol=0.15, fine_tol=0.05)
-    fine_passed = [p.rate_rps for p in cal.probes if p.stage == "fine" and p.passed]
-    assert cal.capacity_rps in fine_passed and cal.capacity_rps == max(fine_passed) <= fine_cap
-    assert cal.bracketed and cal.upper_rps is not None and cal.upper_rps > fine_cap - 1e-9
-    # the fine search ends within 5% or after its 3 bisections, whichever first (then within ~15%/8)
-    assert (cal.upper_rps - cal.capacity_rps) / cal.capacity_rps <= 0.15
-    assert sum(1 for stage, _ in calls if stage == "fine") <= 6
+    return coarse, fine, calls
 
 
-def test_calibrate_staged_edges() -> None:
-    coarse, fine, _ = staged_server(0.0, 0.0)
-    assert calibrate_staged(coarse, fine, 1.0).capacity_rps == 0.0
-    coarse, fine, _ = staged_server(0.5, 0.0)  # the prefix passes, the whole trace never does
-    assert calibrate_staged(coarse, fine, 1.0, min_rps=0.1).capacity_rps == 0.0
-    coarse, fine, _ = staged_server(1000.0, 1000.0)
-    cal = calibrate_staged(coarse, fine, 1.0, max_rps=8.0)
-    assert (cal.capacity_rps, cal.bracketed) == (8.0, False)
+def test_fit_p99_and_crossing() -> None:
+    assert fit_p99([1.0]) is None and fit_p99([2.0, 2.0]) == 2.0
+    assert fit_p99([1.0, 3.0]) == pytest.approx(2.0 + 2.3263 * 2 ** 0.5)
+    assert crossing([(1.0, 10.0), (2.0, 20.0), (3.0, 30.0)], 25.0) == pytest.approx(2.5)
+    assert crossing([(1.0, 10.0), (2.0, 12.0), (3.0, 11.0), (4.0, 13.0)], 14.0) == pytest.approx(5.625)  # least squares: slope 0.8
+    assert crossing([(1.0, 10.0), (2.0, 9.0)], 12.0) is None  # not rising
+    assert crossing([(1.0, 10.0), (1.0, 20.0)], 15.0) is None  # one rate
+
+
+@pytest.mark.parametrize("coarse_cap, true_cap", [(0.7, 0.6), (0.6, 0.7), (0.5, 0.5), (1.1, 0.8), (3.0, 3.3)])
+def test_calibrate_fit_finds_where_the_p99_reaches_the_slo(coarse_cap: float, true_cap: float) -> None:
+    # p99 rises linearly through the SLO at true_cap: 4000 ms there, 1000 ms per 10% of it
+    coarse, fine, calls = fitted_server(coarse_cap, lambda r: 4000.0 + 10000.0 * (r - true_cap) / true_cap)
+    cal = calibrate_fit(coarse, fine, 1.0, target_ms=4000.0)
+    assert cal.capacity_rps == pytest.approx(true_cap, rel=1e-6)
+    fine_rates = [r for stage, r in calls if stage == "fine"]
+    assert 4 <= len(fine_rates) <= 6 and cal.probes[-len(fine_rates):][0].stage == "fine"
+    assert cal.bracketed == any(r > true_cap for r in fine_rates)
+
+
+def test_calibrate_fit_averages_noise_and_extends_its_design() -> None:
+    # noisy p99 (sd 300 ms on a slope of 1000 ms per 10%): the fit lands within 10%
+    for seed in range(5):
+        coarse, fine, _ = fitted_server(0.6, lambda r: 4000.0 + 10000.0 * (r - 0.6) / 0.6, noise_ms=300.0, seed=seed)
+        assert calibrate_fit(coarse, fine, 1.0, target_ms=4000.0).capacity_rps == pytest.approx(0.6, rel=0.1)
+    # the guess far below: every fine probe passes, so the design extends upwards (twice at most)
+    coarse, fine, calls = fitted_server(0.3, lambda r: 4000.0 + 2000.0 * (r - 0.6) / 0.6)
+    cal = calibrate_fit(coarse, fine, 1.0, target_ms=4000.0)
+    fine_rates = [r for stage, r in calls if stage == "fine"]
+    assert len(fine_rates) == 6 and fine_rates[-2:] == pytest.approx([fine_rates[3] * 1.2, fine_rates[3] * 1.44])
+    assert cal.capacity_rps == pytest.approx(1.2 * max(fine_rates))  # no further than 1.2 x the highest probed
+    # flat p99 (no rising line): the highest rate whose fine probe passed
+    coarse, fine, calls = fitted_server(0.6, lambda r: 3900.0)
+    cal = calibrate_fit(coarse, fine, 1.0, target_ms=4000.0)
+    assert cal.capacity_rps == max(r for stage, r in calls if stage == "fine") and not cal.bracketed
+
+
+def test_calibrate_fit_stays_below_a_rate_that_failed_outright() -> None:
+    # the p99 line says 0.66, but above 0.58 the server returned errors: below that, the highest pass
+    coarse, fine, _ = fitted_server(0.6, lambda r: 4000.0 + 10000.0 * (r - 0.66) / 0.66, broken_above=0.58)
+    cal = calibrate_fit(coarse, fine, 1.0, target_ms=4000.0)
+    fines = [p for p in cal.probes if p.stage == "fine"]
+    broken = min(p.rate_rps for p in fines if p.p99_fit_ms is None)
+    assert broken < 0.66 and cal.bracketed
+    assert cal.capacity_rps == max(p.rate_rps for p in fines if p.passed and p.rate_rps < broken)
+    coarse, fine, _ = fitted_server(0.0, lambda r: 0.0)
+    assert calibrate_fit(coarse, fine, 1.0, target_ms=4000.0).capacity_rps == 0.0
 
 
 def test_calibration_trace_is_one_pattern_scaled_to_the_rate() -> None:
@@ -216,6 +252,15 @@ def test_reference_capacity_ranks_bursty_traces_lower() -> None:
     # the first `warmup` requests are not judged
     assert reference_capacity(bursty, 2.5, warmup=3) > reference_capacity(bursty, 2.5)
     assert unit_trace(3, 5) == unit_trace(3, 5) and len(unit_trace(3, 5)) == 5
+
+
+def test_decisive_prefix_holds_the_worst_burst() -> None:
+    # a burst at arrivals 12-14 of an otherwise regular trace: the prefix must reach it
+    unit = [float(i) for i in range(1, 13)] + [12.05, 12.1] + [float(i) for i in range(13, 31)]
+    k = decisive_prefix(unit, warmup=2)
+    assert 13 <= k <= 14
+    assert reference_capacity(unit[:k], 2.5, 2) <= 1.05 * reference_capacity(unit, 2.5, 2)
+    assert decisive_prefix(unit[:10], warmup=2) <= 10
 
 
 def test_median_trace_seed_is_the_median_and_fixed() -> None:
@@ -405,6 +450,18 @@ def test_run_load_records_every_request_against_a_fake_server() -> None:
             assert r.headers == {"x-brownout-level": "1", "x-brownout-bypassed": "ab_test"} and r.level == 1
 
 
+def test_run_load_sends_a_given_trace_with_fresh_prompts() -> None:
+    seen: list[httpx.Request] = []
+    arrivals = trace(20.0, 6, 5)
+    runs = [asyncio.run(run_load("http://127.0.0.1:9", "m", constant(20.0, arrivals[-1].at_s + 0.01), seed=seed,
+                                 arrivals=arrivals, poll_levels_s=None,
+                                 transport=httpx.MockTransport(sse_handler(seen)))) for seed in (1, 2)]
+    for result in runs:
+        assert [r.scheduled_s for r in result.records] == [a.at_s for a in arrivals]
+    prompts = [json.loads(r.content)["messages"][0]["content"] for r in seen]
+    assert len(prompts) == 12 and len(set(prompts)) == 12
+
+
 def test_run_load_stops_early_when_asked_and_refuses_other_hosts() -> None:
     result = asyncio.run(run_load("http://127.0.0.1:9", "m", constant(50.0, 30.0), seed=2, poll_levels_s=None,
                                   stop=lambda records, now, n: len(records) >= 5,
@@ -428,12 +485,61 @@ def test_ratios_and_table_from_run_reports() -> None:
     runs = [run("adaptive @1.5x", 1.0, "1.5x"), run("pinned0 @1.5x", 4.0, "1.5x"), run("adaptive @3x", 1.0, "3x"),
             run("adaptive step", 1.0, "step")]
     capacity = {"C0": {"capacity_rps": 2.0}, "C3": {"capacity_rps": 4.0}, "builtin": {"capacity_rps": 2.0}}
-    r = overload.ratios(runs, capacity, 2000.0)
+    unloaded = {"brownout level 0": {"unloaded_e2e_ms_p50": 1500.0}, "builtin": {"unloaded_e2e_ms_p50": 1200.0}}
+    r = overload.ratios(runs, capacity, 2000.0, unloaded)
     assert r["adaptive: p99 at 1.5xC0 / SLO"] == 0.5 and r["pinned0 p99 / adaptive p99 at 1.5xC0"] == 4.0
     assert r["adaptive: goodput at 3xC0 / C3"] == round(runs[2]["overall"]["goodput_rps"] / 4.0, 3)
     assert r["C3 / built-in capacity"] == 2.0 and r["reaction s (load step -> level >= 1)"] == 1.5
+    assert r["adaptive: within the SLO at 1.5xC0"] == 1.0
+    assert r["SLO met again s after the step down"] is None  # 2 s after it: no whole 5 s window
+    assert r["one at a time: e2e p50 Brownout level 0 / built-in"] == 1.25
+    assert r["adaptive @3x: client time-outs"] == 0 and r["adaptive @3x: median time to refusal ms"] is None
     text = overload.table(runs)
     assert text.splitlines()[0].split()[:3] == ["run", "offered", "thru"] and "adaptive @1.5x" in text
+    assert "refuse ms" in text.splitlines()[0]
+
+
+def test_ratios_report_refusals_and_classes_of_the_3x_run() -> None:
+    from bench import overload
+
+    records = []
+    for i in range(60):
+        crit = ("critical", "standard", "sheddable")[i % 3]
+        shed = (crit == "sheddable" and i % 2 == 0) or (crit == "standard" and i % 9 == 1)
+        r = rec(i, i * 0.2, i * 0.2 + (0.02 if shed else 1.5), 429 if shed else 200, crit=crit)
+        if shed:
+            r.headers["retry-after"] = "1"
+        records.append(r)
+    records[-1].status, records[-1].done_s = CUT_OFF, None
+    run = rep.run_report("adaptive @3x", RunResult(constant(5.0, 12.0), records, [], 0.0, 1), 2000.0, load="3x")
+    r = overload.ratios([run], {}, 2000.0)
+    assert r["adaptive @3x: median time to refusal ms"] == pytest.approx(20.0)
+    assert r["adaptive @3x: non-200 that are 429/503 with Retry-After"] == 1.0
+    assert r["adaptive @3x: client time-outs"] == 1
+    assert r["adaptive @3x: within the SLO per class"]["critical"] == 1.0
+    shed = r["adaptive @3x: shed rate per class"]
+    assert shed["sheddable"] > shed["standard"] > shed["critical"] == 0.0
+    assert r["adaptive @3x: shed sheddable >= standard >= critical"] is True
+    assert r["adaptive @3x: critical >= 99% within the SLO"] is True
+    lines = overload.class_table([run])
+    assert "critical 100%/0%" in lines and "shed order ok: yes" in lines
+
+
+def test_rel_diff_and_staged_probe_sizes() -> None:
+    import argparse
+
+    from bench import overload
+
+    assert overload.rel_diff([0.6, 0.66]) == 0.1 and overload.rel_diff([0.0, 1.0]) is None
+    plan = overload.Plan(argparse.Namespace(quick=False, slo_ms=4000.0, run_s=None, drain_s=None, bisect=None,
+                                            max_tokens=16, mix=None, no_mix=True, seed=None, no_progress=True,
+                                            only=None))  # what other scripts pass (no calibration options)
+    assert plan.trace_seed == median_trace_seed(plan.probe_n) and plan.coarse_n < plan.probe_n
+    assert overload.probe_size(plan, 0.5, "coarse") == plan.coarse_n
+    assert overload.probe_size(plan, 0.5, "fine") == plan.probe_n
+    assert overload.probe_size(plan, 0.1, "fine") == plan.coarse_n  # 75 s hold fewer, but never below the prefix
+    plan.probe_s = 100.0
+    assert overload.probe_size(plan, 0.5, "fine") == 50
 
 
 def test_only_names_known_runs() -> None:
