@@ -141,17 +141,83 @@ def test_pinned_level_bypasses_exactly_its_deployments(deployed: Cluster, http: 
     admin(http, "DELETE", params={"level": "true"})
 
 
+# Only complete answers (finish_reason "stop") are cached, and the random-weight model almost
+# never ends one by itself: stopping at the first a, e, i or o (most syllables of its vocabulary
+# have one; 4 is the most stop strings allowed), the stop string kept, makes a short, non-empty,
+# complete answer.
+COMPLETE = {"stop": ["a", "e", "i", "o"], "include_stop_str_in_output": True}
+
+
 def test_semantic_cache_hit_skips_the_model(deployed: Cluster, http: httpx.Client) -> None:
     pin(http, 0)
     question = gibberish()
-    first = chat(http, question, user=None)
+    first = chat(http, question, user=None, **COMPLETE)
     assert first.status_code == 200 and "X-Brownout-Cache" not in first.headers
     settle_counters(http)  # the cache write runs after the response
     served = model_stats()["requests_total"]
-    second = chat(http, question, user=None)
+    second = chat(http, question, user=None, **COMPLETE)
     assert second.status_code == 200 and second.headers["X-Brownout-Cache"] == "hit"
     assert second.json()["choices"][0]["message"]["content"] == first.json()["choices"][0]["message"]["content"]
     assert model_stats()["requests_total"] == served
+    admin(http, "DELETE", params={"level": "true"})
+
+
+def sse_usage(r: httpx.Response) -> tuple[str, dict[str, int]]:
+    """(the streamed text, the usage chunk) of a chat stream with ``include_usage``."""
+    import json
+
+    events = [json.loads(line[6:]) for line in r.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in events if c["choices"])
+    (usage,) = [c["usage"] for c in events if c.get("usage")]
+    return text, usage
+
+
+def test_semantic_cache_hit_reports_honest_usage_and_a_truncated_answer_is_never_served(
+        deployed: Cluster, http: httpx.Client) -> None:
+    pin(http, 0)
+
+    def cache_stats() -> dict[str, Any]:
+        return enrichment_stats(http)["SemanticCache"]["enrichments"]["semantic_cache"]
+
+    # a hit: the model's own usage, the same text, finish "stop", and the header says cached
+    question = gibberish()
+    first = chat(http, question, user=None, max_tokens=32, **COMPLETE)
+    assert first.status_code == 200, first.text
+    made = first.json()
+    assert made["choices"][0]["finish_reason"] == "stop", made
+    settle_counters(http)
+    served = model_stats()["requests_total"]
+    second = chat(http, question, user=None, max_tokens=32, **COMPLETE)
+    assert second.status_code == 200 and second.headers["X-Brownout-Cache"] == "hit"
+    got = second.json()
+    assert got["choices"][0]["message"]["content"] == made["choices"][0]["message"]["content"]
+    assert got["choices"][0]["finish_reason"] == "stop"
+    assert got["usage"] == made["usage"]
+    assert got["usage"]["prompt_tokens"] > 0 and got["usage"]["completion_tokens"] > 0
+    assert got["usage"]["total_tokens"] == got["usage"]["prompt_tokens"] + got["usage"]["completion_tokens"]
+    streamed = chat(http, question, user=None, max_tokens=32, stream=True,
+                    stream_options={"include_usage": True}, **COMPLETE)
+    assert streamed.status_code == 200 and streamed.headers["X-Brownout-Cache"] == "hit"
+    assert sse_usage(streamed) == (made["choices"][0]["message"]["content"], made["usage"])
+    assert model_stats()["requests_total"] == served  # neither hit reached the model
+    # a same-question request with other sampling is not answered from that entry
+    assert "X-Brownout-Cache" not in chat(http, question, user=None, max_tokens=31, **COMPLETE).headers
+
+    # a truncated answer (max_tokens=1, finish "length") is not stored, so never served
+    question = gibberish()
+    incomplete_before = cache_stats()["not_stored_incomplete"]
+    short = chat(http, question, user=None, max_tokens=1)
+    assert short.status_code == 200 and short.json()["choices"][0]["finish_reason"] == "length", short.text
+    settle_counters(http)
+    assert cache_stats()["not_stored_incomplete"] == incomplete_before + 1, (short.json(), cache_stats())
+    served = model_stats()["requests_total"]
+    later = chat(http, question, user=None, max_tokens=32)
+    assert later.status_code == 200 and "X-Brownout-Cache" not in later.headers
+    assert later.json()["choices"][0]["message"]["content"] != short.json()["choices"][0]["message"]["content"]
+    again = chat(http, question, user=None, max_tokens=1)
+    assert again.status_code == 200 and "X-Brownout-Cache" not in again.headers
+    assert model_stats()["requests_total"] == served + 2  # both went to the model
     admin(http, "DELETE", params={"level": "true"})
 
 

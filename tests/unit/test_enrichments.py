@@ -71,12 +71,18 @@ def cache(**kw: Any) -> tuple[SemanticCache, FakeClock]:
     return SemanticCache(BagOfWords(), clock=clock, **kw), clock
 
 
-def lookup(c: SemanticCache, text: str) -> dict[str, Any]:
-    return run(c.call("semantic_cache_lookup", {"key_text": text, "request_id": "r"}))
+def lookup(c: SemanticCache, text: str, scope: str = "s") -> dict[str, Any]:
+    return run(c.call("semantic_cache_lookup", {"scope": scope, "question": text, "request_id": "r"}))
+
+
+def cached(text: str, answer: str, scope: str = "s", **over: Any) -> dict[str, Any]:
+    """A record as the write receives it: tagged with its scope and question, a complete answer."""
+    return record(key_text=text, cache={"scope": scope, "question": text},
+                  response={"text": answer, "finish_reason": "stop"}, **over)
 
 
 def write(c: SemanticCache, text: str, answer: str, **over: Any) -> dict[str, Any]:
-    return run(c.call("semantic_cache_write", {"records": [record(key_text=text, response={"text": answer}, **over)]}))
+    return run(c.call("semantic_cache_write", {"records": [cached(text, answer, **over)]}))
 
 
 def batch(*records: dict[str, Any]) -> dict[str, Any]:
@@ -103,8 +109,8 @@ def test_cache_hits_a_near_duplicate_and_misses_unrelated_text() -> None:
     assert hit["hit"] and hit["answer"] == "Paris." and hit["similarity"] == pytest.approx(1.0)
     assert lookup(c, "How do I bake sourdough bread?") == {"hit": False}
     assert c.stats() == {
-        "entries": 1, "max_entries": 2048, "hits": 1, "misses": 2, "hit_ratio": pytest.approx(1 / 3),
-        "writes": 1, "evictions": 0, "expired_replaced": 0,
+        "entries": 1, "scopes": 1, "max_entries": 2048, "hits": 1, "misses": 2, "hit_ratio": pytest.approx(1 / 3),
+        "writes": 1, "not_stored_incomplete": 0, "not_cached_too_long": 0, "evictions": 0, "expired_replaced": 0,
     }
 
 
@@ -178,10 +184,10 @@ def test_real_embedding_model_hits_a_paraphrase_and_misses_unrelated_text() -> N
     c = SemanticCache()  # the default: all-MiniLM-L6-v2, loaded on first use
 
     async def scenario() -> list[dict[str, Any]]:
-        written = record(key_text="What is the capital of France?", response={"text": "Paris."})
-        await c.call("semantic_cache_write", batch(written))
+        await c.call("semantic_cache_write", batch(cached("What is the capital of France?", "Paris.")))
         queries = ["what's the capital of france", "What is the capital of Germany?", "How do I bake bread?"]
-        return [await c.call("semantic_cache_lookup", {"key_text": q, "request_id": "r"}) for q in queries]
+        return [await c.call("semantic_cache_lookup", {"scope": "s", "question": q, "request_id": "r"})
+                for q in queries]
 
     near, other, unrelated = run(scenario())
     assert near["hit"] and near["answer"] == "Paris." and near["similarity"] >= 0.92
