@@ -394,6 +394,7 @@ class Ingress:
             # the engine's id is ours alone: a client's X-Request-ID (Serve's request id) is only
             # echoed and logged, so no client can name, and abort, another's request
             request_id=uuid.uuid4().hex, client_request_id=_request_id(), tenant=tenant,
+            model=self.served_model_name,
             user=body.user, messages=messages, prompt=prompt,
             sampling=sampling, explicit=frozenset(body.model_fields_set) & set(SAMPLING_FIELDS),
             view=self.view, key_text=_key_text(messages, prompt),

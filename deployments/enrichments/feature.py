@@ -62,6 +62,7 @@ class RequestState:
     answer_finish: str = "stop"
     tenant: str = "anonymous"  # who the request's API key belongs to (ANONYMOUS without keys): scopes shared state
     client_request_id: str | None = None  # the client's X-Request-ID: echoed and logged, never the engine's id
+    model: str = ""  # the served model's name: scopes anything shared (the semantic cache)
     personal: bool = False  # a feature shaped the prompt for this user: the answer is theirs alone
     tags: dict[str, Any] = field(default_factory=dict)  # feature annotations, copied into the record
     headers_out: dict[str, str] = field(default_factory=dict)  # feature response headers

@@ -46,10 +46,11 @@ def gibberish() -> str:
     return " ".join(RNG.sample(WORDS, 4) + ["".join(RNG.choice(letters) for _ in range(6)) for _ in range(4)])
 
 
-def chat(http: httpx.Client, content: str | None = None, user: str | None = "user-0007", **over: Any) -> httpx.Response:
+def chat(http: httpx.Client, content: str | None = None, user: str | None = "user-0007",
+         headers: dict[str, str] | None = None, **over: Any) -> httpx.Response:
     body = {"model": MODEL, "messages": [{"role": "user", "content": content or gibberish()}],
             "max_tokens": 8, "user": user, **over}
-    return http.post(CHAT, json=body)
+    return http.post(CHAT, json=body, headers=headers)
 
 
 def admin(http: httpx.Client, method: str, path: str = "/admin/brownout/override", **kw: Any) -> dict[str, Any]:
@@ -171,6 +172,23 @@ def sse_usage(r: httpx.Response) -> tuple[str, dict[str, int]]:
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in events if c["choices"])
     (usage,) = [c["usage"] for c in events if c.get("usage")]
     return text, usage
+
+
+def test_one_tenants_cached_answer_is_never_served_to_another(deployed: Cluster, http: httpx.Client) -> None:
+    """The same question from two API keys of different tenants: the second tenant's request
+    reaches the model; its own repeat is then a hit."""
+    pin(http, 0)
+    question = gibberish()
+    first = chat(http, question, user=None, **COMPLETE)  # tenant "tests"
+    assert first.status_code == 200 and first.json()["choices"][0]["finish_reason"] == "stop", first.text
+    settle_counters(http)
+    assert chat(http, question, user=None, **COMPLETE).headers.get("X-Brownout-Cache") == "hit"
+    other = {"Authorization": f"Bearer {deployed.secrets.other_key}"}
+    served = model_stats()["requests_total"]
+    theirs = chat(http, question, user=None, headers=other, **COMPLETE)
+    assert theirs.status_code == 200 and "X-Brownout-Cache" not in theirs.headers
+    assert model_stats()["requests_total"] == served + 1
+    admin(http, "DELETE", params={"level": "true"})
 
 
 def test_semantic_cache_hit_reports_honest_usage_and_a_truncated_answer_is_never_served(
@@ -334,11 +352,11 @@ def test_serve_deploy_hot_reloads_the_policy_without_restarts(deployed: Cluster,
 
 
 def test_admin_api_rejects_bad_overrides(http: httpx.Client) -> None:
-    r = http.post("/admin/brownout/override", json={"feature": "model", "enabled": False})
+    r = http.post("/admin/brownout/override", json={"feature": "model", "enabled": False, "ttl_s": 60})
     assert r.status_code == 400 and "critical" in r.json()["error"]["message"]
-    r = http.post("/admin/brownout/override", json={"level": 7})
+    r = http.post("/admin/brownout/override", json={"level": 7, "ttl_s": 60})
     assert r.status_code == 400 and r.json()["error"]["param"] == "level"
-    r = http.post("/admin/brownout/override", json={"feature": "ab_tset", "enabled": True})
+    r = http.post("/admin/brownout/override", json={"feature": "ab_tset", "enabled": True, "ttl_s": 60})
     assert r.status_code == 400 and "unknown feature 'ab_tset'" in r.json()["error"]["message"]
 
 
