@@ -232,6 +232,7 @@ class Ingress:
         self.keys = KeyStore(self.auth.keys_file) if self.auth.api_keys == "required" else None
         self.rates = RateLimits(self.auth.default_rate)
         self.admin_guard = AdminGuard(self.auth.admin_token_file)
+        self.largest_refused_read = 0  # bytes: the most of an over-limit body this replica read
         auth_refusals = ServeCounter("brownout_auth_refusals", "Requests refused by the core path's guards",
                                      tag_keys=("reason",))
         self._auth_refused = lambda reason: auth_refusals.inc(tags={"reason": reason})
@@ -345,7 +346,12 @@ class Ingress:
     # -- request helpers -----------------------------------------------------------------------
 
     async def _parse(self, request: Request, schema: type) -> Any:
-        raw = await read_body(request, self.limits.max_body_bytes, self.auth.body_read_timeout_s)
+        try:
+            raw = await read_body(request, self.limits.max_body_bytes, self.auth.body_read_timeout_s)
+        except RequestError as err:
+            # how much of a refused body was ever read here (it must stay near the limit)
+            self.largest_refused_read = max(self.largest_refused_read, getattr(err, "bytes_read", 0))
+            raise
         body = parse_body(raw, schema, self.limits.max_body_bytes)
         if body.model != self.served_model_name:
             raise RequestError(404, f"model {body.model!r} does not exist; available: "
@@ -654,6 +660,7 @@ class Ingress:
             "pipeline": self.pipeline.counters(), "policy_link_failures": self.policy.failures,
             "last_policy_error": self.last_policy_error, "inflight": self.inflight, "pid": os.getpid(),
             "admission": self.gate.state(),
+            "largest_refused_body_read": self.largest_refused_read,
         }
         return JSONResponse(state)
 

@@ -342,8 +342,10 @@ async def read_body(request: Any, max_bytes: int, timeout_s: float) -> bytes:
         async for chunk in request.stream():
             size += len(chunk)
             if size > max_bytes:
-                raise RequestError(413, f"request body exceeds the limit of {max_bytes} bytes (max_body_bytes); "
+                err = RequestError(413, f"request body exceeds the limit of {max_bytes} bytes (max_body_bytes); "
                                    "reading stopped there", None)
+                err.bytes_read = size  # type: ignore[attr-defined]  # how far the read got
+                raise err
             parts.append(chunk)
 
     try:
