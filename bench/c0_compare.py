@@ -100,8 +100,8 @@ def patch_config(config: dict[str, Any], http_port: int, data_dir: str, slo_ms: 
     app["args"].setdefault("model", {})["dtype"] = dtype
     app["args"].setdefault("enrichments", {})["data_dir"] = data_dir
     ov.HEADERS.clear()
-    if "auth" in app["args"]:  # a revision with API keys: a private key and admin token (bench.secrets)
-        from bench.secrets import local_secrets
+    if "auth" in app["args"]:  # a revision with API keys: a private key and admin token (bench.credentials)
+        from bench.credentials import local_secrets
 
         auth, headers = local_secrets(Path(data_dir).parent / "secrets")
         app["args"]["auth"] = {**app["args"]["auth"], **auth}

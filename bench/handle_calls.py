@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: make the repository importable
     sys.path.insert(0, str(ROOT))
 
-from bench.secrets import env_headers, local_secrets  # noqa: E402
+from bench.credentials import env_headers, local_secrets  # noqa: E402
 
 HEADERS: dict[str, str] = {}  # the private app's key and admin token (local_app), if any
 

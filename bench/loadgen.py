@@ -612,7 +612,7 @@ async def run_load(base_url: str, model: str, profile: Profile, *, seed: int | N
     # the run's own deadline (drain_timeout_s), enforced below.
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     timeout = httpx.Timeout(connect=10.0, read=None, write=10.0, pool=None)
-    # ``headers``: sent with every request (the API key: `bench.secrets`)
+    # ``headers``: sent with every request (the API key: `bench.credentials`)
     async with httpx.AsyncClient(limits=limits, timeout=timeout, transport=transport, headers=headers) as client:
         t0 = time.perf_counter()
         started_at = time.time()

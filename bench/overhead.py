@@ -48,7 +48,7 @@ def deploy(port: int, model_dir: str, data_dir: str) -> None:
 
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     model = ModelArgs(source=model_dir, served_model_name=MODEL_NAME, kv_cache_space_gib=1, **ENGINE)
-    from bench.secrets import local_secrets
+    from bench.credentials import local_secrets
 
     auth, headers = local_secrets(Path(data_dir) / "secrets")
     HEADERS.update(headers)  # the built-in app ignores them

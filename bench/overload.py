@@ -228,7 +228,7 @@ NOISE = NoiseMonitor()
 
 # -- talking to a running server ---------------------------------------------------------------
 
-# The API key and admin token every request carries (`bench.secrets`): a private pair for the
+# The API key and admin token every request carries (`bench.credentials`): a private pair for the
 # app this command deploys, or the environment's / `make serve`'s for --url. Ray's built-in app
 # ignores them.
 HEADERS: dict[str, str] = {}
@@ -569,8 +569,8 @@ class Bench:
 
 def serve_config(http_port: int, data_dir: Path) -> dict[str, Any]:
     """serve_config.yaml, unchanged but for the HTTP port, a private data folder and a private
-    API key and admin token (`bench.secrets`: limits far above any benchmark rate)."""
-    from bench.secrets import local_secrets
+    API key and admin token (`bench.credentials`: limits far above any benchmark rate)."""
+    from bench.credentials import local_secrets
 
     config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     config["http_options"]["port"] = http_port
@@ -1088,7 +1088,7 @@ def single(args: argparse.Namespace) -> int:
     # No noise figure here: the server is not this command's child, so its own CPU would count.
     plan = Plan(args)
     base = args.url.rstrip("/")
-    from bench.secrets import env_headers
+    from bench.credentials import env_headers
 
     HEADERS.update(env_headers())
     os.environ.setdefault("OPENAI_API_KEY", HEADERS.get("Authorization", "Bearer none").removeprefix("Bearer "))
