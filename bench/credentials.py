@@ -21,7 +21,9 @@ def local_secrets(folder: Path) -> tuple[dict[str, Any], dict[str, str]]:
     from serve_app.security import RateSettings, add_key, ensure_admin_token
 
     folder.mkdir(parents=True, exist_ok=True)
-    key, _ = add_key(folder / "keys.yaml", "bench", "standard", "bench", RateSettings(**ROOMY))
+    # tier critical: the key's tier is a ceiling, so the benchmark's criticality header can send
+    # each of the three classes (a standard key would serve its "critical" share as standard)
+    key, _ = add_key(folder / "keys.yaml", "bench", "critical", "bench", RateSettings(**ROOMY))
     token, _ = ensure_admin_token(folder / "admin_token")
     auth = {"api_keys": "required", "keys_file": str(folder / "keys.yaml"),
             "admin_token_file": str(folder / "admin_token"), "default_rate": ROOMY}

@@ -72,7 +72,8 @@ SIGNAL_AGGREGATION: Mapping[str, Literal["sum", "max"]] = {
     "model_queued": "sum",  # requests admitted and waiting for the model's batch wherever they
     #                         wait, as each ingress counts its own
     "predicted_wait_ms": "max",  # the ingress admission controller's predicted queueing delay:
-    #                              requests admitted and unfinished / measured rate
+    #                              the service model's per-request time x requests in flight,
+    #                              scaled so it reaches the SLO when a new request would miss it
 }
 SIGNALS: tuple[str, ...] = tuple(SIGNAL_AGGREGATION)
 
@@ -252,11 +253,12 @@ CRITICALITIES: tuple[str, ...] = ("critical", "standard", "sheddable")  # most i
 class ClassShares(_Strict):
     """Per criticality class: the share of the latency budget, and so of the admitted concurrency.
 
-    By Little's law the model holds at most ``rate * budget`` requests that can all finish within
-    the budget; class c is admitted while fewer than ``share_c * rate * budget`` are in flight
-    (`policies.admission`). Defaults: sheddable is refused once the backlog reaches 60% of what
-    the SLO allows, standard at 80%; the last 20% is kept for critical work, so a critical burst
-    still finds room while the others are already refused.
+    The measured service model (`policies.admission`: latency = unloaded + per request x
+    requests in flight) says how many requests can be in flight and all finish within the
+    budget; class c is admitted while fewer than ``share_c`` of that are in flight. The shipped
+    policy uses 0.9 for standard and 0.75 for sheddable work: sheddable is refused first, then
+    standard, and the last share is kept for critical work, so a critical burst still finds room
+    while the others are already refused.
     """
 
     critical: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
@@ -311,16 +313,17 @@ class AdmissionConfig(_Strict):
     )
     prior_rate_per_s: float | None = Field(
         default=None, gt=0.0, allow_inf_nan=False,
-        description="cold-start service rate (completions/s at full load) until one is measured; "
+        description="cold-start service rate (completions/s at full load; 1/rate per request) until "
+        "the service model has a measurement; "
         "null: max_num_seqs / (e2e_p99 / 2), i.e. a full batch takes half the SLO",
     )
     rate_window_s: float = Field(
         default=1.0, gt=0.0, le=60.0, allow_inf_nan=False,
-        description="completions are counted over windows this long",
+        description="served requests' (latency, concurrency) points are averaged over windows this long",
     )
     rate_alpha: float = Field(
         default=0.3, gt=0.0, le=1.0, allow_inf_nan=False,
-        description="EWMA weight of the newest window's rate",
+        description="EWMA weight of the newest window's fit of the service model",
     )
     min_retry_after_s: int = Field(default=1, ge=1, le=3600)
     max_retry_after_s: int = Field(default=30, ge=1, le=3600)

@@ -297,6 +297,7 @@ class Ingress:
             self._apply_policy(parse_policy(doc["config"]))
             self.policy_version = doc["config_version"]
         self.view, self.view_fetched_at = view, time.time()
+        self.gate.set_level(int(view.level))  # admission uses the service model measured at this level
 
     def _signals(self) -> dict[str, float]:
         out: dict[str, float] = {"inflight": self.inflight, **self.gate.signals()}
