@@ -146,8 +146,8 @@ class Plan:
         self.drain_s = args.drain_s or (10.0 if quick else 15.0)
         self.step_low_s, self.step_high_s = (10.0, 15.0) if quick else (15.0, 25.0)
         self.warm_s = 8.0 if quick else 10.0
-        # The first warm-up after a deploy is longer: right after one, C0 came out 35-55% below
-        # a second calibration on the same deployment while C3, measured later, repeated within 2%
+        # The first warm-up after a deploy is longer: right after one, C0 came out about a third
+        # below a second calibration on the same deployment while C3, measured later, repeated within 2%
         # (bench/results/repeatability.json): the server gets faster over its first few hundred
         # requests.
         self.first_warm_s = 20.0 if quick else 60.0
