@@ -152,31 +152,46 @@ def load_keys(path: Path) -> list[KeyRecord]:
         raise ValueError(f"{path.name}: {where}: {first['msg']} (got {first.get('input')!r})") from None
 
 
+class _WatchedFile:
+    """Says whether a file changed (mtime and size) since last asked, looking at most once
+    every ``recheck_s``: the keys file and the admin token are re-read only then."""
+
+    def __init__(self, path: Path, clock: Any, recheck_s: float) -> None:
+        self.path, self.clock, self.recheck_s = path, clock, recheck_s
+        self.exists = False
+        self._stamp: tuple[int, int] | None = None
+        self._checked_at = float("-inf")
+
+    def changed(self, force: bool = False) -> bool:
+        now = self.clock()
+        if not force and now - self._checked_at < self.recheck_s:
+            return False
+        self._checked_at = now
+        try:
+            st = self.path.stat()
+            stamp: tuple[int, int] | None = (st.st_mtime_ns, st.st_size)
+        except FileNotFoundError:
+            stamp = None
+        self.exists = stamp is not None
+        if stamp == self._stamp and not force:
+            return False
+        self._stamp = stamp
+        return True
+
+
 class KeyStore:
     """The keys file, re-read when it changes; `authenticate` maps a presented key to its record."""
 
     def __init__(self, path: str | Path, clock: Any = time.monotonic, recheck_s: float = 1.0) -> None:
         self.path = Path(path).expanduser()
-        self.clock, self.recheck_s = clock, recheck_s
+        self._file = _WatchedFile(self.path, clock, recheck_s)
         self._by_hash: dict[str, KeyRecord] = {}
-        self._stamp: tuple[int, int] | None = None
-        self._checked_at = float("-inf")
         self.load_error: str | None = None
         self.refresh(force=True)
 
     def refresh(self, force: bool = False) -> None:
-        now = self.clock()
-        if not force and now - self._checked_at < self.recheck_s:
+        if not self._file.changed(force):
             return
-        self._checked_at = now
-        try:
-            st = self.path.stat()
-            stamp = (st.st_mtime_ns, st.st_size)
-        except FileNotFoundError:
-            stamp = None
-        if stamp == self._stamp and not force:
-            return
-        self._stamp = stamp
         try:
             records = load_keys(self.path)
         except (ValueError, yaml.YAMLError) as err:
@@ -274,28 +289,15 @@ class AdminGuard:
     HEADER = "x-brownout-admin-token"
 
     def __init__(self, token_file: str | None, clock: Any = time.monotonic, recheck_s: float = 1.0) -> None:
-        self.path = Path(token_file).expanduser() if token_file else None
-        self.clock, self.recheck_s = clock, recheck_s
+        self._file = _WatchedFile(Path(token_file).expanduser(), clock, recheck_s) if token_file else None
         self.token: str | None = None
-        self._stamp: tuple[int, int] | None = None
-        self._checked_at = float("-inf")
         self._refresh(force=True)
 
     def _refresh(self, force: bool = False) -> None:
-        now = self.clock()
-        if self.path is None or (not force and now - self._checked_at < self.recheck_s):
+        if self._file is None or not self._file.changed(force):
             return
-        self._checked_at = now
         try:
-            st = self.path.stat()
-            stamp: tuple[int, int] | None = (st.st_mtime_ns, st.st_size)
-        except FileNotFoundError:
-            stamp = None
-        if stamp == self._stamp and not force:
-            return
-        self._stamp = stamp
-        try:
-            self.token = self.path.read_text(encoding="utf-8").strip() or None if stamp else None
+            self.token = (self._file.path.read_text(encoding="utf-8").strip() or None) if self._file.exists else None
         except OSError:
             self.token = None
 
