@@ -130,6 +130,64 @@ def summarize(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def process_group(cmdline: Sequence[str], name: str) -> str:
+    """What a cluster process is, from its command line: a Serve replica by deployment
+    (``ray::ServeReplica:<app>:<Deployment>``), vLLM's engine core, the Serve proxy and controller,
+    the policy actor, or Ray's own daemons; anything else is ``other``."""
+    text = " ".join(cmdline) or name
+    if "ServeReplica:" in text:
+        return "replica:" + text.split("ServeReplica:", 1)[1].split()[0].split(":")[-1]
+    for needle, group in (("EngineCore", "vllm_engine_core"), ("ProxyActor", "serve_proxy"),
+                          ("ServeController", "serve_controller"), ("PolicyActor", "policy_actor"),
+                          ("raylet", "raylet"), ("gcs_server", "gcs"), ("dashboard", "dashboard"),
+                          ("log_monitor", "ray_other"), ("monitor.py", "ray_other"),
+                          ("runtime_env", "ray_other"), ("default_worker", "ray_idle_worker")):
+        if needle in text:
+            return group
+    return "other"
+
+
+def cpu_by_group(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]],
+                 requests: int) -> dict[str, dict[str, float]]:
+    """CPU seconds each group used between two snapshots ``{pid: (group, cpu_s)}``, in all and
+    per request; a process that started between them counts from zero."""
+    used: dict[str, float] = {}
+    for pid, (group, cpu) in after.items():
+        used[group] = used.get(group, 0.0) + max(0.0, cpu - before.get(pid, (group, 0.0))[1])
+    return {g: {"cpu_s": round(v, 2), "cpu_ms_per_request": round(1000 * v / requests, 1) if requests else None}
+            for g, v in sorted(used.items(), key=lambda kv: -kv[1])}
+
+
+def cpu_summary(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per revision and group: the median CPU ms per served request over its repetitions, and
+    the served requests' median latency."""
+    out: dict[str, Any] = {}
+    for side in ("before", "after"):
+        runs = [r["cpu_profile"] for r in results if r["side"] == side and r.get("cpu_profile")]
+        groups = sorted({g for r in runs for g in r["by_group"]})
+        out[side] = {
+            "runs": len(runs),
+            "cpu_ms_per_request": {g: statistics.median(r["by_group"].get(g, {}).get("cpu_ms_per_request") or 0.0
+                                                        for r in runs) for g in groups},
+            "e2e_ms_p50": [r["e2e_ms_p50"] for r in runs],
+            "ok": [f"{r['ok']}/{r['requests']}" for r in runs]}
+        out[side]["total_cpu_ms_per_request"] = round(sum(out[side]["cpu_ms_per_request"].values()), 1)
+    return out
+
+
+def cpu_table(summary: dict[str, Any]) -> str:
+    groups = sorted(set(summary["before"]["cpu_ms_per_request"]) | set(summary["after"]["cpu_ms_per_request"]),
+                    key=lambda g: -summary["after"]["cpu_ms_per_request"].get(g, 0.0))
+    lines = ["CPU ms per served request (median over repetitions)", f"{'group':28s}  {'before':>8s}  {'after':>8s}"]
+    for g in groups + ["total"]:
+        b = summary["before"]["total_cpu_ms_per_request"] if g == "total" else summary["before"]["cpu_ms_per_request"].get(g)
+        a = summary["after"]["total_cpu_ms_per_request"] if g == "total" else summary["after"]["cpu_ms_per_request"].get(g)
+        lines.append(f"{g:28s}  {'-' if b is None else f'{b:.0f}':>8s}  {'-' if a is None else f'{a:.0f}':>8s}")
+    lines.append(f"e2e p50 ms: before {summary['before']['e2e_ms_p50']}, after {summary['after']['e2e_ms_p50']}; "
+                 f"served: before {summary['before']['ok']}, after {summary['after']['ok']}")
+    return "\n".join(lines)
+
+
 def pair_fits(elapsed_s: float, per_revision_s: Sequence[float], budget_s: float) -> bool:
     """Whether one more pair (before + after) ends within the budget, at the slowest pace seen."""
     return not per_revision_s or elapsed_s + 2 * max(per_revision_s) <= budget_s
@@ -271,6 +329,25 @@ class Cluster:
         return {"clean": clean, "stop_s": round(time.monotonic() - t0, 1), "leftover_processes_ended": len(left)}
 
 
+def cpu_snapshot(root_pid: int) -> dict[int, tuple[str, float]]:
+    """``{pid: (group, cpu seconds so far)}`` for the cluster's process tree (children included)."""
+    import psutil
+
+    out: dict[int, tuple[str, float]] = {}
+    try:
+        procs = psutil.Process(root_pid).children(recursive=True)
+    except psutil.Error:
+        return out
+    for proc in procs:
+        try:
+            with proc.oneshot():
+                t = proc.cpu_times()
+                out[proc.pid] = (process_group(proc.cmdline(), proc.name()), t.user + t.system)
+        except psutil.Error:
+            continue
+    return out
+
+
 def measure_revision(side: str, rev: str, rep: int, args: argparse.Namespace, plan: ov.Plan) -> dict[str, Any]:
     t0 = time.monotonic()
     doc: dict[str, Any] = {"side": side, "revision": rev, "rep": rep, "phases_s": {}}
@@ -332,6 +409,24 @@ def measure_revision(side: str, rev: str, rep: int, args: argparse.Namespace, pl
         doc["unloaded"] = ov.warm_up(base, plan, True, f"{side} {rev} level 0")
         phase("warm_up", s)
 
+        if args.cpu_profile_rps:
+            s = time.monotonic()
+            snap0 = cpu_snapshot(cluster.proc.pid)
+            res = ov.run_profile(base, ov.constant(args.cpu_profile_rps, args.cpu_profile_s), plan,
+                                 f"{side} {rev} CPU profile", poll=False)
+            snap1 = cpu_snapshot(cluster.proc.pid)
+            wall = time.monotonic() - s
+            ok = [r for r in res.records if r.ok]
+            lat = sorted(r.e2e_ms for r in ok if r.e2e_ms is not None)
+            doc["cpu_profile"] = {
+                "rate_rps": args.cpu_profile_rps, "requests": len(res.records), "ok": len(ok),
+                "wall_s": round(wall, 1), "e2e_ms_p50": lat[len(lat) // 2] if lat else None,
+                "by_group": cpu_by_group(snap0, snap1, len(ok))}
+            doc["cpu_profile"]["cluster_cpu_cores"] = round(
+                sum(v["cpu_s"] for v in doc["cpu_profile"]["by_group"].values()) / wall, 2)
+            doc["other_cpu_cores"] = ov.NOISE.mean(s, time.monotonic())
+            phase("cpu_profile", s)
+            return doc
         s = time.monotonic()
         cal = ov.measure_capacity(base, plan, f"{side} {rev} C0", args.start_rps, args.growth, True)
         phase("calibrate", s)
@@ -377,8 +472,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--growth", type=float, default=1.25, help="ramp factor of the calibration")
     ap.add_argument("--bisect", type=int, default=2, help="bisection steps of the calibration")
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "c0_compare.json"))
+    ap.add_argument("--cpu-profile-rps", type=float, default=None,
+                    help="instead of calibrating C0: send this constant Poisson rate (below both C0s) for "
+                         "--cpu-profile-s and report CPU seconds per request by process group (where the "
+                         "level-0 path spends the machine); writes c0_cpu_profile.json unless --out")
+    ap.add_argument("--cpu-profile-s", type=float, default=60.0)
+    ap.add_argument("--out", default=None, help="default: bench/results/c0_compare.json "
+                    "(c0_cpu_profile.json with --cpu-profile-rps)")
     args = ap.parse_args(argv)
+    if args.out is None:
+        args.out = str(ROOT / "bench" / "results" / ("c0_cpu_profile.json" if args.cpu_profile_rps
+                                                      else "c0_compare.json"))
 
     plan = ov.Plan(argparse.Namespace(
         quick=False, slo_ms=args.slo_ms, probe_s=args.probe_s, run_s=None, drain_s=None, bisect=args.bisect,
@@ -441,10 +545,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         "summary": summary,
         "runs": results,
     }
+    if args.cpu_profile_rps:
+        out["what"] = ("where the level-0 path spends the machine: CPU seconds per served request by process "
+                       "group, at one constant Poisson rate, for the revision before the issue-8 refactor and "
+                       "after it, alternating")
+        out["summary"] = cpu_summary(results)
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1) + "\n")
     print()
+    if args.cpu_profile_rps:
+        print(cpu_table(out["summary"]))
+        ov.log(f"wrote {path.name} in {total_s / 60:.1f} min")
+        return 1 if any(r.get("failed") for r in results) or not results else 0
     print(table(results, summary))
     ov.log(f"wrote {path.name} in {total_s / 60:.1f} min")
     return 1 if any(r.get("failed") for r in results) or not results else 0

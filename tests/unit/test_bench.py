@@ -579,3 +579,27 @@ def test_c0_compare_order_config_and_summary() -> None:
     assert cc.summarize([])["ratio_after_over_before"] is None
     assert cc.pair_fits(0.0, [], 10.0) and cc.pair_fits(100.0, [200.0, 300.0], 700.0)
     assert not cc.pair_fits(101.0, [200.0, 300.0], 700.0)
+
+
+def test_process_group_names_replicas_engine_and_ray_daemons() -> None:
+    from bench.c0_compare import process_group
+
+    assert process_group(["ray::ServeReplica:brownout:Ingress"], "python") == "replica:Ingress"
+    assert process_group(["ray::ServeReplica:brownout:VLLMModel.generate"], "x") == "replica:VLLMModel.generate"
+    assert process_group(["VLLM::EngineCore"], "VLLM::EngineCore") == "vllm_engine_core"
+    assert process_group([".../raylet", "--node"], "raylet") == "raylet"
+    assert process_group(["ray::ProxyActor"], "x") == "serve_proxy"
+    assert process_group([], "mystery") == "other"
+
+
+def test_cpu_by_group_counts_new_processes_from_zero_and_per_request() -> None:
+    from bench.c0_compare import cpu_by_group
+
+    before = {1: ("replica:Ingress", 10.0), 2: ("vllm_engine_core", 100.0)}
+    after = {1: ("replica:Ingress", 12.0), 2: ("vllm_engine_core", 130.0), 3: ("raylet", 1.0)}
+    out = cpu_by_group(before, after, requests=10)
+    assert list(out) == ["vllm_engine_core", "replica:Ingress", "raylet"]
+    assert out["vllm_engine_core"] == {"cpu_s": 30.0, "cpu_ms_per_request": 3000.0}
+    assert out["replica:Ingress"]["cpu_ms_per_request"] == 200.0
+    assert out["raylet"]["cpu_s"] == 1.0
+    assert cpu_by_group(before, after, requests=0)["raylet"]["cpu_ms_per_request"] is None
