@@ -325,6 +325,17 @@ class AdmissionConfig(_Strict):
         default=0.3, gt=0.0, le=1.0, allow_inf_nan=False,
         description="EWMA weight of the newest window's fit of the service model",
     )
+    reserve_quantile: float = Field(
+        default=0.99, ge=0.0, lt=1.0, allow_inf_nan=False,
+        description="room kept for more critical classes: a class is admitted only while the "
+        "requests the classes above it will bring within one request's latency, at their measured "
+        "arrival rate, fit below critical's cap with this probability (0: no reservation)",
+    )
+    reserve_window_s: float = Field(
+        default=10.0, gt=0.0, le=600.0, allow_inf_nan=False,
+        description="time constant of each class's measured arrival rate (requests offered, "
+        "admitted or refused)",
+    )
     min_retry_after_s: int = Field(default=1, ge=1, le=3600)
     max_retry_after_s: int = Field(default=30, ge=1, le=3600)
 

@@ -169,6 +169,7 @@ class AdmissionGate:
     def state(self) -> dict[str, Any]:
         """For ``/admin/brownout``: the caps per class, the measured rate, the counters."""
         ctl = self.controller
+        now = self._clock()
         return {
             "enabled": self.enabled,
             "in_flight": self.in_flight,
@@ -178,6 +179,9 @@ class AdmissionGate:
             "per_request_s": None if ctl is None else round(ctl.model.per_request_s, 3),
             "level": self.level,
             "max_admitted": None if ctl is None else {c.value: ctl.max_admitted(c) for c in Criticality},
+            # the caps in force now: the share's cap less the room kept for more critical classes
+            "class_cap": None if ctl is None else {c.value: ctl.class_cap(c, now) for c in Criticality},
+            "reserved": None if ctl is None else {c.value: ctl.reserve(c, now) for c in Criticality},
             "admitted": dict(self.admitted),
             "refused": {f"{c}:{r}": n for (c, r), n in sorted(self.refused.items())},
         }

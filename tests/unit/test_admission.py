@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -24,7 +26,11 @@ C, S, D = Criticality.CRITICAL, Criticality.STANDARD, Criticality.SHEDDABLE
 # Clear numbers: e2e 2100 ms - overhead 100 ms = a 2 s budget; 10 completions/s.
 # Little's law: at most 10 * 2 = 20 in flight; caps critical 20, standard 16, sheddable 12.
 SLO = SloConfig(e2e_p99_ms=2100)
-SETTINGS = AdmissionConfig(overhead_ms=100, prior_rate_per_s=10, min_retry_after_s=1, max_retry_after_s=30)
+# The share tables below hold with no room reserved for more critical classes (reserve_quantile 0);
+# the reservation has its own tests (RESERVING).
+SETTINGS = AdmissionConfig(overhead_ms=100, prior_rate_per_s=10, min_retry_after_s=1, max_retry_after_s=30,
+                           reserve_quantile=0.0)
+RESERVING = SETTINGS.model_copy(update={"reserve_quantile": 0.99, "reserve_window_s": 10.0})
 
 
 def controller(slo: SloConfig = SLO, settings_: AdmissionConfig = SETTINGS, slots: int = 8) -> AdmissionController:
@@ -418,3 +424,81 @@ def test_update_with_a_new_explicit_prior_restarts_the_estimate() -> None:
     assert ctl.model.base_s == pytest.approx(10.0)
     ctl.update(SLO, SETTINGS.model_copy(update={"prior_rate_per_s": 4.0}))
     assert ctl.rate_per_s == 4.0 and ctl.max_admitted(C) == 8
+
+
+# -- room kept for more critical classes (trunk reservation) -------------------------------------
+
+@pytest.mark.parametrize("mean, q, expected", [
+    (0.0, 0.99, 0), (1.0, 0.0, 0), (1.0, 0.5, 1), (1.0, 0.99, 4), (0.36 * 3, 0.99, 4), (10.0, 0.99, 18),
+])
+def test_poisson_quantile(mean: float, q: float, expected: int) -> None:
+    from policies.admission import poisson_quantile
+
+    assert poisson_quantile(mean, q) == expected
+
+
+def test_arrival_rate_decays_with_its_time_constant() -> None:
+    from policies.admission import ArrivalRate
+
+    r = ArrivalRate(tau_s=10.0)
+    assert r.rate(0.0) == 0.0
+    for i in range(10):
+        r.add(float(i))  # one per second
+    at9 = r.rate(9.0)
+    assert 0.5 < at9 < 1.0  # approaches 1/s from below
+    assert r.rate(39.0) == pytest.approx(at9 * math.exp(-3), rel=1e-9)
+
+
+def _offer(ctl: AdmissionController, klass: Criticality, rate: float, until: float) -> None:
+    """Critical (or any class) arrivals at ``rate`` per second from 0 to ``until``, each with
+    an idle server (so each is admitted and only its arrival counts)."""
+    t = 0.0
+    while t < until:
+        ctl.decide(klass, 0, t)
+        t += 1.0 / rate
+
+
+def test_no_critical_traffic_reserves_nothing() -> None:
+    ctl = controller(settings_=RESERVING)
+    _offer(ctl, S, 5.0, 30.0)
+    assert ctl.reserve(S, 30.0) == 0 and ctl.class_cap(S, 30.0) == 16  # the share's cap, as without it
+    assert ctl.reserve(D, 30.0) > 0  # standard's own demand is kept from sheddable
+
+
+def test_measured_critical_demand_keeps_room_below_critical_cap() -> None:
+    ctl = controller(settings_=RESERVING)
+    _offer(ctl, C, 2.0, 60.0)  # 2 critical/s; a request admitted at critical's cap takes 2.1 s
+    lam = ctl._arrivals[0].rate(60.0)
+    assert lam == pytest.approx(2.0, rel=0.1)
+    from policies.admission import poisson_quantile
+
+    expected = poisson_quantile(lam * 2.1, 0.99)
+    assert ctl.reserve(S, 60.0) == expected
+    assert ctl.class_cap(S, 60.0) == min(16, 20 - expected)
+    # standard refused where its share alone would still admit it; critical admitted there
+    ahead = ctl.class_cap(S, 60.0)
+    assert ahead < 16
+    assert not ctl.decide(S, ahead, 60.0).admitted
+    assert ctl.decide(C, ahead, 60.0).admitted
+
+
+def test_reservation_fades_when_critical_demand_stops() -> None:
+    ctl = controller(settings_=RESERVING)
+    _offer(ctl, C, 2.0, 30.0)
+    assert ctl.class_cap(S, 30.0) < 16
+    assert ctl.class_cap(S, 30.0 + 10 * 10.0) == 16  # ten time constants later
+
+
+def test_critical_demand_that_fills_the_server_leaves_others_only_an_idle_server() -> None:
+    ctl = controller(settings_=RESERVING)
+    _offer(ctl, C, 20.0, 30.0)  # twice what the server completes
+    assert ctl.class_cap(S, 30.0) == 1 and ctl.class_cap(D, 30.0) == 1
+    assert ctl.decide(S, 0, 30.0).admitted and not ctl.decide(S, 1, 30.0).admitted
+
+
+def test_shed_order_holds_with_reservation() -> None:
+    ctl = controller(settings_=RESERVING)
+    _offer(ctl, C, 1.0, 20.0)
+    _offer(ctl, S, 3.0, 20.0)
+    caps = [ctl.class_cap(k, 20.0) for k in (C, S, D)]
+    assert caps[0] >= caps[1] >= caps[2] >= 1
