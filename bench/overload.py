@@ -142,7 +142,11 @@ class Plan:
         self.coarse_n = getattr(args, "coarse_n", None) or (
             self.probe_n // 2 if self.trace_seed is None
             else decisive_prefix(unit_trace(self.trace_seed, self.probe_n), self.warmup_n, min_n=10))
-        self.run_s = args.run_s or (15.0 if quick else 25.0)
+        # Fixed-rate runs last 60 s: under overload a backlog grows by (offered - capacity) every
+        # second, so what an unprotected service does shows only over time (a 25 s run at
+        # 1.5 x C0 left pinned-0's p99 within the SLO); 60 s also gives each class of the 20/50/30
+        # mix at 3 x C0 about 20 critical requests, not 9.
+        self.run_s = args.run_s or (15.0 if quick else 60.0)
         self.drain_s = args.drain_s or (10.0 if quick else 15.0)
         self.step_low_s, self.step_high_s = (10.0, 15.0) if quick else (15.0, 25.0)
         self.warm_s = 8.0 if quick else 10.0
