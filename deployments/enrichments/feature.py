@@ -21,6 +21,13 @@ pipeline walks the registry and never names a feature:
   failed or timed out); e.g. the A/B feature tags the request ``excluded``.
 - ``wants(request)``: whether a side effect takes this request's record at all (the cache write
   takes only answers the client's own text alone shaped).
+- ``audits_failures``: whether a side effect also takes the record of a request that did not end
+  in a whole answer (``outcome`` ``failed``, ``client_dropped``, ``refused``); only the audit
+  log does: a cache write or a usage statistic of a failure would be wrong.
+
+Every record a side effect receives has a ``record_id`` (`record_id`: the request's own id and
+the feature): the same request audited twice (a retried batch, a spool redelivery) has one id,
+so the sink can drop the copy.
 
 A feature's off-modes are declared in the registry line; a ``default``-mode feature's configured
 default is passed to ``apply`` as if the stage had returned it.
@@ -68,7 +75,12 @@ class RequestState:
     headers_out: dict[str, str] = field(default_factory=dict)  # feature response headers
     bypassed: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
-    deferred: list[str] = field(default_factory=list)
+    deferred: list[str] = field(default_factory=list)  # only once durable: X-Brownout-Deferred names them
+    planned: list[str] = field(default_factory=list)  # side effects the level defers (not yet durable)
+    outcome: str = "ok"  # ok | failed | client_dropped | refused: what the record says happened
+    status: int | None = None  # the HTTP status of a refused or failed request
+    side_decided: bool = False  # which side effects the level skips or defers is decided (once)
+    settled: bool = False  # side effects taken: a request's record is handed on exactly once
     started: float = field(default_factory=time.monotonic)
 
     def payload(self) -> dict[str, Any]:
@@ -117,8 +129,17 @@ class RequestState:
             "sampling": self.sampling, "response": {"text": self.text, "finish_reason": finish},
             "usage": dict(usage), "latency_ms": (time.monotonic() - self.started) * 1000.0,
             "level": int(self.view.level), "answered": self.answer is not None,
-            "bypassed": list(self.bypassed), **self.tags,
+            "bypassed": list(self.bypassed), "outcome": self.outcome,
+            **({"status": self.status} if self.status is not None else {}), **self.tags,
         }
+
+
+OUTCOMES = ("ok", "failed", "client_dropped", "refused")
+
+
+def record_id(request_id: str, feature: str) -> str:
+    """The id a side effect's record carries: unique per request and feature, stable across retries."""
+    return f"{request_id}:{feature}"
 
 
 def _nothing(request: RequestState, *args: Any) -> None:
@@ -178,6 +199,7 @@ class Feature:
     apply: Callable[[RequestState, Mapping[str, Any]], None] = _nothing
     on_bypass: Callable[[RequestState, Mapping[str, Any]], None] = _nothing  # (request, worker settings)
     wants: Callable[[RequestState], bool] = _everything
+    audits_failures: bool = False  # a side effect that also takes failed, dropped and refused requests
 
     @property
     def spec(self) -> FeatureSpec:

@@ -206,7 +206,7 @@ def test_audit_rotation_keeps_every_record_in_order(tmp_path: Path) -> None:
         return await asyncio.gather(*(log.call("audit_log", {"records": batch}) for batch in batches))
 
     results = run(scenario())
-    assert results == [{"ok": True, "written": 10}] * 30
+    assert results == [{"ok": True, "written": 10, "duplicates": 0}] * 30
     on_disk = read_all(tmp_path)
     assert len(on_disk) == 300 == log.stats()["records_written"]
     assert sorted(r["request_id"] for r in on_disk) == sorted(f"req-{i}" for i in range(300))

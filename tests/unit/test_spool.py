@@ -1,4 +1,7 @@
-"""DurableSpool: order, no loss across sink failures and restarts, at-least-once redelivery."""
+"""DurableSpool: order, no loss across sink failures and restarts, at-least-once redelivery.
+
+One writer per file, adoption of orphans, the size cap, group commit and encoding are in
+tests/unit/test_spool_ownership.py."""
 
 from __future__ import annotations
 
@@ -13,6 +16,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deployments.enrichments.spool import DurableSpool
+
+
+def reopen(directory: Path, name: str) -> DurableSpool:
+    """A replica restart: a new owner of the file, which it recovers (in a thread, in the service)."""
+    spool = DurableSpool(directory, name)
+    spool.recover()
+    return spool
 
 
 class Sink:
@@ -61,7 +71,7 @@ def test_restart_and_failing_sink_lose_nothing_and_keep_order(tmp_path: Path) ->
     assert sink.accepted == recs(0, 4)  # two batches committed, the third failed
     spool.close()
 
-    restarted = DurableSpool(tmp_path, "q")  # a replica restart
+    restarted = reopen(tmp_path, "q")  # a replica restart
     assert restarted.pending() == 6
     for r in recs(10, 13):
         restarted.append(r)
@@ -83,7 +93,8 @@ def test_a_batch_the_sink_took_but_did_not_acknowledge_is_sent_again(tmp_path: P
     with pytest.raises(TimeoutError):
         asyncio.run(spool.drain(2, takes_then_fails))
     sink = Sink()
-    asyncio.run(DurableSpool(tmp_path, "q").drain(2, sink))
+    spool.close()
+    asyncio.run(reopen(tmp_path, "q").drain(2, sink))
     assert seen == [0, 1]
     assert [r["seq"] for r in sink.accepted] == [0, 1, 2, 3]  # at-least-once: 0 and 1 twice
 
@@ -95,8 +106,8 @@ def test_a_torn_final_line_is_dropped_on_restart(tmp_path: Path) -> None:
     spool.close()
     with open(spool.path, "ab") as f:
         f.write(b'{"seq": 3, "requ')  # died mid-append, before fsync returned
-    restarted = DurableSpool(tmp_path, "q")
-    assert restarted.pending() == 3
+    restarted = reopen(tmp_path, "q")
+    assert restarted.pending() == 3 and restarted.stats()["torn_tails_dropped"] == 1
     restarted.append(recs(3, 4)[0])
     sink = Sink()
     asyncio.run(restarted.drain(10, sink))
@@ -110,7 +121,7 @@ def test_a_reset_interrupted_after_truncation_recovers(tmp_path: Path) -> None:
     asyncio.run(spool.drain(10, Sink()))
     spool.close()
     spool.offset_path.write_text("999")  # as if the process died between truncate and offset reset
-    restarted = DurableSpool(tmp_path, "q")
+    restarted = reopen(tmp_path, "q")
     assert restarted.pending() == 0
     restarted.append({"seq": 3})
     sink = Sink()
@@ -184,7 +195,7 @@ def test_whatever_happens_every_record_comes_out_once_in_order(ops: list[tuple])
                 out.extend(r["seq"] for r in sink.accepted)
             else:
                 spool.close()
-                spool = DurableSpool(Path(d), "q")
+                spool = reopen(Path(d), "q")
             accepted = len(out)
             assert spool.pending() == appended - accepted
         final = Sink()
