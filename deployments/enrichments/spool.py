@@ -627,8 +627,8 @@ def encode_record(record: Any) -> bytes:
         text = json.dumps(record, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
     except TypeError as err:
         raise Unencodable(f"not_json:{_type_in(err)}") from None
-    except ValueError:
-        raise Unencodable("not_json:non_finite_float") from None
+    except ValueError as err:
+        raise Unencodable("circular" if "ircular" in str(err) else "not_json:non_finite_float") from None
     except RecursionError:
         raise Unencodable("too_deep") from None
     return (text + "\n").encode("utf-8", "backslashreplace")
