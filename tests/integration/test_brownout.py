@@ -360,16 +360,14 @@ def test_admin_api_rejects_bad_overrides(http: httpx.Client) -> None:
     assert r.status_code == 400 and "unknown feature 'ab_tset'" in r.json()["error"]["message"]
 
 
-def test_policy_actor_restart_keeps_config_and_pins(deployed: Cluster, http: httpx.Client) -> None:
+def restart_policy_actor(actor: Any, timeout_s: float = 30) -> dict[str, Any]:
+    """Kill the policy actor (Ray restarts it: max_restarts=-1); return its state once the new
+    incarnation, a different process, answers."""
     import ray
 
-    actor = policy_actor()
-    admin(http, "POST", json={"level": 2, "ttl_s": 300, "note": "before restart"})
-    admin(http, "POST", json={"feature": "debug_capture", "enabled": True, "ttl_s": 300})
-    version = ray.get(actor.get_config.remote())["config_version"]
     old_pid = ray.get(actor.__ray_call__.remote(lambda self: __import__("os").getpid()))
-    ray.kill(actor, no_restart=False)  # Ray restarts it (max_restarts=-1)
-    deadline = time.monotonic() + 30
+    ray.kill(actor, no_restart=False)
+    deadline = time.monotonic() + timeout_s
     while True:
         try:
             state = ray.get(actor.get_state.remote(), timeout=5)
@@ -378,6 +376,17 @@ def test_policy_actor_restart_keeps_config_and_pins(deployed: Cluster, http: htt
             assert time.monotonic() < deadline, "actor did not come back"
             time.sleep(0.5)
     assert ray.get(actor.__ray_call__.remote(lambda self: __import__("os").getpid())) != old_pid
+    return state
+
+
+def test_policy_actor_restart_keeps_config_and_pins(deployed: Cluster, http: httpx.Client) -> None:
+    import ray
+
+    actor = policy_actor()
+    admin(http, "POST", json={"level": 2, "ttl_s": 300, "note": "before restart"})
+    admin(http, "POST", json={"feature": "debug_capture", "enabled": True, "ttl_s": 300})
+    version = ray.get(actor.get_config.remote())["config_version"]
+    state = restart_policy_actor(actor)
     assert state["pin"]["level"] == 2 and state["pin"]["note"] == "before restart"
     assert state["feature_overrides"]["debug_capture"]["enabled"] is True
     assert ray.get(actor.get_config.remote())["config_version"] == version
@@ -425,15 +434,8 @@ def test_which_policy_copy_wins(deployed: Cluster, http: httpx.Client) -> None:
     doc = ray.get(actor.get_config.remote())
     assert doc["config"]["level1"]["trigger"]["gpu_util"] == 0.81 and doc["origin"] == "operator"
 
-    ray.kill(actor, no_restart=False)  # Ray restarts it from the persisted copy
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            doc = ray.get(actor.get_config.remote(), timeout=5)
-            break
-        except Exception:
-            assert time.monotonic() < deadline, "actor did not come back"
-            time.sleep(0.5)
+    restart_policy_actor(actor)  # Ray restarts it from the persisted copy
+    doc = ray.get(actor.get_config.remote())
     assert doc["config"]["level1"]["trigger"]["gpu_util"] == 0.81 and doc["origin"] == "operator"
 
     deploy(0.87, "deployed-b.yaml")  # a changed deployed policy wins over the operator's
