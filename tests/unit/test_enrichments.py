@@ -254,6 +254,58 @@ def test_audit_a_bad_record_fails_the_call_and_writes_nothing(tmp_path: Path) ->
     assert read_all(tmp_path) == []
 
 
+def rid(i: int) -> dict[str, Any]:
+    return record(i, record_id=f"req-{i}:audit_log")
+
+
+def test_audit_dedupes_by_record_id_within_a_batch_across_calls_and_restarts(tmp_path: Path) -> None:
+    """A batch re-sent after a stage time-out (the first call was not cancelled) writes nothing twice."""
+    log = AuditLog(tmp_path, max_bytes=600, backups=10)
+    assert run(log.call("audit_log", {"records": [rid(0), rid(1), rid(1)]})) == {"ok": True, "written": 2,
+                                                                              "duplicates": 1}
+    assert run(log.call("audit_log", {"records": [rid(1), rid(2)]})) == {"ok": True, "written": 1, "duplicates": 1}
+    run(log.close())
+    again = AuditLog(tmp_path, max_bytes=600, backups=10)  # a restarted replica: ids loaded from disk
+    run(again.warmup())
+    assert run(again.call("audit_log", {"records": [rid(0), rid(2), rid(3)]}))["written"] == 1
+    assert [r["record_id"] for r in read_all(tmp_path)] == [f"req-{i}:audit_log" for i in range(4)]
+    assert again.stats()["duplicates"] == 2 and log.stats()["rotations"] >= 1  # ids in rotated files count
+    # records without an id (written before ids existed) are never deduplicated
+    run(again.call("audit_log", {"records": [record(9), record(9)]}))
+    assert [r["request_id"] for r in read_all(tmp_path)].count("req-9") == 2
+
+
+def test_audit_dedupe_memory_is_bounded(tmp_path: Path) -> None:
+    log = AuditLog(tmp_path, dedupe_ids=3)
+    run(log.call("audit_log", {"records": [rid(i) for i in range(5)]}))
+    assert log.stats()["ids_remembered"] == 3
+
+
+def test_audit_repairs_a_torn_tail_on_open_and_counts_it(tmp_path: Path) -> None:
+    first = AuditLog(tmp_path)
+    run(first.call("audit_log", {"records": [rid(0)]}))
+    run(first.close())
+    with open(tmp_path / "audit.log", "ab") as f:
+        f.write(b'{"request_id": "torn", "pro')  # killed mid-write
+    second = AuditLog(tmp_path)
+    run(second.call("audit_log", {"records": [rid(1)]}))
+    skipped: list[str] = []
+    assert [r["request_id"] for r in read_all(tmp_path, skipped=skipped)] == ["req-0", "req-1"]
+    assert skipped == []  # repaired: the next record starts on a line of its own
+    assert second.stats()["torn_tails_repaired"] == 1 and second.stats()["torn_bytes"] == 27
+    assert (tmp_path / "audit.log.torn").read_bytes() == b'{"request_id": "torn", "pro\n'
+    assert oct((tmp_path / "audit.log.torn").stat().st_mode & 0o777) == "0o600"
+
+
+def test_audit_reader_never_fails_on_a_damaged_file(tmp_path: Path) -> None:
+    (tmp_path / "audit.log.1").write_bytes(b'{"request_id": "a"}\nnot json at all\n\xff\xfe\n')
+    (tmp_path / "audit.log").write_bytes(b'{"request_id": "b"}\n{"request_id": "c", "tor')
+    skipped: list[str] = []
+    assert [r["request_id"] for r in read_all(tmp_path, skipped=skipped)] == ["a", "b"]
+    assert skipped == ["audit.log.1:2: not JSON", "audit.log.1:3: not JSON", "audit.log:2: partial last line"]
+    assert [r["request_id"] for r in read_all(tmp_path)] == ["a", "b"]
+
+
 # --------------------------------------------------------------------------- A/B test
 
 

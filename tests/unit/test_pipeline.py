@@ -4,6 +4,7 @@ and a toy feature registered from outside."""
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import pytest
@@ -268,3 +269,199 @@ def test_a_mode_the_feature_does_not_support_is_rejected_at_load() -> None:
         parse_policy({"features": {"prompt_rewrite": {"mode": "default", "default": {}}}})
     with pytest.raises(PolicyError, match=r"unknown feature 'toy_stamp'"):
         parse_policy(TOY_POLICY)  # not registered any more
+
+
+# -- durable before promised, exactly once, bounded ------------------------------------------------
+
+DEFER_AUDIT = {"audit_log": OffMode.DEFER}
+
+
+def test_settle_names_a_deferral_only_once_it_is_on_disk(tmp_path: Path) -> None:
+    """The promise (ctx.deferred -> X-Brownout-Deferred) comes after the fsync: at the moment the
+    name appears, the record is already in the spool file."""
+    spool_dir = tmp_path / "spool"
+    p = pipeline(FakeStages(), lambda f: DurableSpool(spool_dir, f))
+    c = ctx(view(3, OPTIONAL, modes=DEFER_AUDIT))
+
+    async def go() -> list[str]:
+        p.decide_side_effects(c)
+        assert c.planned == ["audit_log"] and c.deferred == [] and "X-Brownout-Deferred" not in c.headers()
+        assert "audit_log" not in c.bypassed
+        return await p.settle(c, c.record("stop", {}))
+
+    assert run(go()) == ["audit_log"] and c.headers()["X-Brownout-Deferred"] == "audit_log"
+    on_disk = [json.loads(line) for line in (spool_dir / "audit_log.spool").read_bytes().splitlines()]
+    assert [r["record_id"] for r in on_disk] == ["r1:audit_log"]
+    assert p.deferred == {"audit_log": 1}
+
+
+def test_a_stream_promises_nothing_in_its_headers(tmp_path: Path) -> None:
+    """Stream rule: headers are built after decide_side_effects only; the deferral is named by
+    what settle returns at the end of the stream (its final event)."""
+    p = pipeline(FakeStages(), lambda f: DurableSpool(tmp_path, f))
+    c = ctx(view(3, OPTIONAL, modes=DEFER_AUDIT))
+    p.decide_side_effects(c)
+    headers = c.headers()
+    assert "X-Brownout-Deferred" not in headers
+    assert "audit_log" not in headers["X-Brownout-Bypassed"].split(",")
+    assert run(p.settle(c, c.record("stop", {}))) == ["audit_log"]
+
+
+def test_a_full_spool_is_not_promised_but_disclosed_and_counted(tmp_path: Path) -> None:
+    p = pipeline(FakeStages(), lambda f: DurableSpool(tmp_path, f, max_bytes=10))
+    c = ctx(view(3, OPTIONAL, modes=DEFER_AUDIT))
+    assert run(p.settle(c, c.record("stop", {}))) == []
+    assert c.deferred == [] and "audit_log" in c.headers()["X-Brownout-Bypassed"].split(",")
+    assert p.counters()["not_spooled"] == {"audit_log:spool_full": 1}
+    assert p.counters()["spools"]["audit_log"]["refused_full"] == 1
+
+
+def test_concurrent_requests_share_the_deferral_fsync(tmp_path: Path) -> None:
+    p = pipeline(FakeStages(), lambda f: DurableSpool(tmp_path, f))
+    cs = []
+    for i in range(40):
+        c = ctx(view(3, OPTIONAL, modes=DEFER_AUDIT))
+        c.request_id = f"r{i}"
+        cs.append(c)
+
+    async def go() -> None:
+        await p.open_spool("audit_log")
+        await asyncio.gather(*(p.settle(c, c.record("stop", {})) for c in cs))
+
+    run(go())
+    stats = p.counters()["spools"]["audit_log"]
+    assert stats["appended"] == 40 and stats["fsyncs"] < 40
+    assert all(c.deferred == ["audit_log"] for c in cs)
+
+
+def test_a_request_is_settled_exactly_once_whichever_end_comes_first(tmp_path: Path) -> None:
+    stages = FakeStages()
+    p = pipeline(stages)
+    c = ctx(view(0), user=None)
+
+    async def go() -> None:
+        await p.settle(c, c.record("stop", {}))
+        p.abandon(c, "client_dropped")  # the stream's end callback, after the last byte
+        assert await p.settle_outcome(c, "failed") == []
+        await p.settle(c, c.record("stop", {}))
+        await p.wait_idle()
+
+    run(go())
+    assert stages.calls["audit_log"] == 1 and p.audited == {"ok": 1}
+    (payload,) = stages.payloads["audit_log"]
+    assert payload["records"][0]["record_id"] == "r1:audit_log" and payload["records"][0]["outcome"] == "ok"
+
+
+@pytest.mark.parametrize("outcome, status", [("failed", 500), ("client_dropped", None), ("refused", 503)])
+def test_failed_dropped_and_refused_requests_are_audited_with_their_outcome(outcome: str, status: int | None) -> None:
+    stages = FakeStages()
+    p = pipeline(stages)
+    c = ctx(view(0), user=None)
+    c.text = "partial ans"
+
+    async def go() -> None:
+        p.abandon(c, outcome, status)
+        await p.wait_idle()
+
+    run(go())
+    # only the audit log takes failures: no cache write, no stats of a failed request
+    assert set(stages.calls) == {"audit_log"} and stages.calls["audit_log"] == 1
+    (rec,) = stages.payloads["audit_log"][0]["records"]
+    assert rec["outcome"] == outcome and rec.get("status") == status and rec["record_id"] == "r1:audit_log"
+    assert p.audited == {outcome: 1}
+
+
+def test_an_unknown_outcome_is_refused() -> None:
+    p = pipeline(FakeStages())
+    with pytest.raises(ValueError, match="outcome must be one of"):
+        run(p.settle_outcome(ctx(view(0)), "exploded"))
+
+
+def test_a_refused_request_while_the_audit_is_deferred_is_spooled(tmp_path: Path) -> None:
+    p = pipeline(FakeStages(), lambda f: DurableSpool(tmp_path, f))
+    c = ctx(view(3, OPTIONAL, modes=DEFER_AUDIT))
+    assert run(p.settle_outcome(c, "refused", 429)) == ["audit_log"]
+    assert p.pending("audit_log") == 1 and p.bypassed == {}  # nothing else counted for a refusal
+
+
+def test_records_json_cannot_hold_are_escaped_and_counted_never_lost(tmp_path: Path) -> None:
+    stages = FakeStages()
+    p = pipeline(stages, lambda f: DurableSpool(tmp_path, f))
+    c = ctx(view(3, OPTIONAL, modes=DEFER_AUDIT))
+    c.tags["weird"] = {1, 2}
+    c.tags["latency"] = float("nan")
+    c.messages = [{"role": "user", "content": "lone \ud800 surrogate"}]
+    assert run(p.settle(c, c.record("stop", {}))) == ["audit_log"]
+    assert p.escaped == {"audit_log": 2}
+    c2 = ctx(view(0, modes=DEFER_AUDIT))
+    c2.request_id = "r2"
+
+    async def drain() -> None:
+        await p.drain("audit_log")
+
+    run(drain())
+    (rec,) = stages.payloads["audit_log"][0]["records"]
+    assert rec["weird"] == {"$unencodable": "set"} and rec["latency"] == "nan"
+    assert rec["prompt"][0]["content"] == "lone \ud800 surrogate"
+
+
+def test_a_failing_side_effect_task_is_counted_not_silent(tmp_path: Path) -> None:
+    async def broken(host, calls):  # type: ignore[no-untyped-def]
+        raise AssertionError("a bug in the caller")  # not an Exception a stage call maps
+
+    p = Pipeline(FEATURES, broken, None, settings={"ab_test": {"experiment": "exp"}})
+
+    async def go() -> None:
+        c = ctx(view(0), user=None)
+        p._spawn(_raise())
+        await p.settle(c, c.record("stop", {}))
+        await p.wait_idle()
+
+    async def _raise() -> None:
+        raise KeyError("boom")
+
+    run(go())
+    assert p.task_errors["KeyError"] == 1
+
+
+def test_background_side_effects_are_capped_and_the_overflow_is_counted(tmp_path: Path) -> None:
+    stages = FakeStages()
+    stages.slow_s["light_metrics"] = 0.3
+    p = pipeline(stages, lambda f: DurableSpool(tmp_path, f), max_background=2)
+    on = view(0, modes=DEFER_AUDIT)
+
+    async def go() -> None:
+        for i in range(5):
+            c = ctx(on, user=None)
+            c.request_id = f"r{i}"
+            await p.settle(c, c.record("stop", {}))
+            assert len(p._background) <= 2
+        await p.wait_idle()
+        await p.drain("audit_log")
+
+    run(go())
+    # 2 requests ran in the background; for the 3 others the audit record was made durable
+    # inline (then drained), the rest shed and counted
+    assert p.shed["light_metrics"] == 3 and "audit_log" not in p.shed
+    written = sorted(r["request_id"] for call in stages.payloads["audit_log"] for r in call["records"])
+    assert written == [f"r{i}" for i in range(5)]
+
+
+def test_max_background_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="max_background must be >= 1, got 0"):
+        pipeline(FakeStages(), max_background=0)
+
+
+def test_drain_adopts_orphaned_spools_of_another_replica(tmp_path: Path) -> None:
+    """A replica scaled down left records under its rank's name; the survivor drains them."""
+    gone = DurableSpool(tmp_path, "audit_log-ingress2")
+    for i in range(3):
+        gone.append({"request_id": f"old{i}"})  # written before records carried ids
+    gone.close()  # its process stopped: the lock is free
+    stages = FakeStages()
+    p = pipeline(stages, lambda f: DurableSpool(tmp_path, f"{f}-ingress0"))
+    run(p.drain("audit_log"))
+    written = [r for call in stages.payloads["audit_log"] for r in call["records"]]
+    assert [r["request_id"] for r in written] == ["old0", "old1", "old2"]
+    assert [r["record_id"] for r in written] == ["old0:audit_log", "old1:audit_log", "old2:audit_log"]
+    assert not (tmp_path / "audit_log-ingress2.spool").exists()
