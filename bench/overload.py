@@ -678,6 +678,17 @@ class Cluster:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+def deploy_unprotected(bench: Bench, cluster: Cluster) -> None:
+    """`serve deploy` Brownout, wait until it answers, and switch admission off. Pinned runs and
+    calibrations measure Brownout without admission control (features on or off, every request
+    admitted): the service as it was before it held the SLO. The adaptive runs get the policy as
+    deployed, admission on (`reset_policy`)."""
+    log("deploying Brownout (serve deploy serve_config.yaml)")
+    bench.timed("deploy_brownout", lambda: deploy_brownout(cluster.dashboard, cluster.config, cluster.tmp))
+    wait_healthy(cluster.base, "/healthz")
+    set_admission(cluster.base, cluster.policy_doc, enabled=False)
+
+
 def calibrate_pair(bench: Bench, base: str, plan: Plan, suffix: str = "",
                    c0_given: float | None = None, first: bool = True) -> tuple[float, dict[str, Any]]:
     """Level 0 pinned: warm up (longer if ``first`` after the deploy), calibrate C0 (unless
@@ -723,10 +734,7 @@ def calibrate_only(args: argparse.Namespace) -> int:
     base = cluster.base
     pairs: list[dict[str, Any]] = []
     try:
-        log("deploying Brownout (serve deploy serve_config.yaml)")
-        bench.timed("deploy_brownout", lambda: deploy_brownout(cluster.dashboard, cluster.config, cluster.tmp))
-        wait_healthy(base, "/healthz")
-        set_admission(base, cluster.policy_doc, enabled=False)
+        deploy_unprotected(bench, cluster)
         for i in range(1, args.repeats + 1):
             t0 = time.monotonic()
             c0, unloaded0 = calibrate_pair(bench, base, plan, f" #{i}", first=i == 1)
@@ -779,20 +787,14 @@ def comparison(args: argparse.Namespace) -> int:
     t_start = time.monotonic()
     NOISE.start()
     cluster = Cluster(plan, f"runs: {', '.join(plan.runs)}")
-    tmp, http_port, dash_port, base = cluster.tmp, cluster.http_port, cluster.dash_port, cluster.base
+    tmp, http_port, base = cluster.tmp, cluster.http_port, cluster.base
     config, policy_doc = cluster.config, cluster.policy_doc
     c0 = args.c0
     c3 = args.c3
     try:
         brownout_runs = [r for r in plan.runs if r != "builtin"]
         if brownout_runs or c0 is None:
-            log("deploying Brownout (serve deploy serve_config.yaml)")
-            bench.timed("deploy_brownout", lambda: deploy_brownout(f"http://127.0.0.1:{dash_port}", config, tmp))
-            wait_healthy(base, "/healthz")
-            # Pinned runs and calibrations measure Brownout without admission control (features
-            # on or off, every request admitted): the service as it was before it held the SLO.
-            # The adaptive runs get the policy as deployed, admission on (reset_policy).
-            set_admission(base, policy_doc, enabled=False)
+            deploy_unprotected(bench, cluster)
             c0, bench.unloaded["brownout level 0"] = calibrate_pair(bench, base, plan, c0_given=c0)
             if c0 <= 0:
                 raise RuntimeError(
