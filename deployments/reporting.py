@@ -16,19 +16,45 @@ from typing import Any
 logger = logging.getLogger("ray.serve")
 
 
+class LinkBackoff(RuntimeError):
+    """A call not sent: the policy actor failed recently (the link backs off), or too many
+    calls to it are still pending."""
+
+
 class ActorLink:
     """Calls the shared policy actor, re-resolving it by name after it died for good.
 
     ``resolve`` returns a handle (``get_or_create_policy_actor``). Ray restarts the actor
     itself (``max_restarts=-1``) and the old handle keeps working; a handle to an actor killed
     without restart is replaced by resolving again.
+
+    Calls to a dead or stuck actor do not pile up:
+
+    - each call has a time-out (``timeout_s``); a timed-out call is cancelled (`ray.cancel`), not
+      left queued behind the actor;
+    - after a time-out or a dead actor the link backs off: calls within ``backoff_s`` (doubling
+      from ``min_backoff_s`` up to ``max_backoff_s`` while failures go on) fail at once with
+      `LinkBackoff`, without a remote call; the first success ends it;
+    - at most ``max_pending`` calls are outstanding; one more fails at once with `LinkBackoff`.
+
+    An error the actor itself raised (it answered) is not a reason to back off. Every failure is
+    counted (``failures``; calls not sent: ``skipped``) and logged at most once a minute.
     """
 
-    def __init__(self, resolve: Callable[[], Any], timeout_s: float = 2.0) -> None:
+    def __init__(self, resolve: Callable[[], Any], timeout_s: float = 2.0, min_backoff_s: float = 0.25,
+                 max_backoff_s: float = 5.0, max_pending: int = 4,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._resolve = resolve
         self._handle: Any = None
         self.timeout_s = timeout_s
+        self.min_backoff_s, self.max_backoff_s = min_backoff_s, max_backoff_s
+        self.max_pending = max_pending
+        self._clock = clock
         self.failures = 0
+        self.skipped = 0
+        self.pending = 0
+        self.backoff_s = 0.0
+        self._retry_at = 0.0
         self._last_log = 0.0
 
     def handle(self) -> Any:
@@ -36,19 +62,56 @@ class ActorLink:
             self._handle = self._resolve()
         return self._handle
 
+    def state(self) -> dict[str, Any]:
+        """For ``/admin/brownout``: failures, calls not sent, pending calls, the back-off now."""
+        return {"failures": self.failures, "skipped": self.skipped, "pending": self.pending,
+                "backoff_s": self.backoff_s, "retry_in_s": round(max(0.0, self._retry_at - self._clock()), 3)}
+
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        now = self._clock()
+        if now < self._retry_at:
+            self.skipped += 1
+            raise LinkBackoff(f"policy actor unreachable; next try in {self._retry_at - now:.2f} s")
+        if self.pending >= self.max_pending:
+            self.skipped += 1
+            raise LinkBackoff(f"{self.pending} calls to the policy actor still pending")
+        self.pending += 1
+        ref: Any = None
         try:
             ref = getattr(self.handle(), method).remote(*args, **kwargs)
-            return await asyncio.wait_for(ref, timeout=self.timeout_s)
+            result = await asyncio.wait_for(ref, timeout=self.timeout_s)
         except Exception as err:
             self.failures += 1
-            if _actor_gone(err):
+            timed_out = isinstance(err, (asyncio.TimeoutError, TimeoutError))
+            if timed_out:
+                _cancel(ref)
+            gone = _actor_gone(err)
+            if gone:
                 self._handle = None  # resolve again next time
+            if timed_out or gone:
+                self.backoff_s = min(self.max_backoff_s, max(self.min_backoff_s, 2 * self.backoff_s))
+                self._retry_at = self._clock() + self.backoff_s
             now = time.monotonic()
             if now - self._last_log > 60:
                 self._last_log = now
                 logger.warning("policy actor call %s failed (%d failures so far): %r", method, self.failures, err)
             raise
+        finally:
+            self.pending -= 1
+        self.backoff_s, self._retry_at = 0.0, 0.0
+        return result
+
+
+def _cancel(ref: Any) -> None:
+    """Cancel a timed-out actor call, so it does not run (or wait) behind the actor later."""
+    if ref is None:
+        return
+    try:
+        import ray
+
+        ray.cancel(ref)
+    except Exception:  # noqa: BLE001 - not a Ray ref (tests) or already done: nothing to cancel
+        pass
 
 
 def _actor_gone(err: BaseException) -> bool:

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from deployments.reporting import ActorLink, PeriodicTask, signal_reporter
+from deployments.reporting import ActorLink, LinkBackoff, PeriodicTask, signal_reporter
 
 
 class _Ref:
@@ -71,11 +71,13 @@ def test_link_calls_and_resolves_once() -> None:
 def test_dead_actor_is_counted_raised_and_resolved_again() -> None:
     actors = [FakeActor(), FakeActor()]
     actors[0].error = ActorDiedError("gone")
-    link = ActorLink(lambda: actors.pop(0))
+    clock = [0.0]
+    link = ActorLink(lambda: actors.pop(0), clock=lambda: clock[0])
 
     async def run() -> None:
         with pytest.raises(ActorDiedError):
             await link.call("view")
+        clock[0] += link.min_backoff_s  # the back-off is over
         assert await link.call("view") == {"ok": True, "method": "view"}
 
     asyncio.run(run())
@@ -94,6 +96,65 @@ def test_slow_actor_times_out_and_keeps_its_handle() -> None:
 
     asyncio.run(run())
     assert link.failures == 1 and len(calls) == 1  # a timeout is not a death: no re-resolve
+    assert link.backoff_s == link.min_backoff_s  # but the next calls wait: a stuck actor gets no pile
+
+
+def test_a_failing_actor_gets_no_calls_during_the_back_off_which_doubles_then_resets() -> None:
+    actor = FakeActor()
+    actor.error = ActorDiedError("gone")
+    sent: list[int] = []
+    clock = [100.0]
+
+    def resolve() -> FakeActor:
+        sent.append(1)
+        return actor
+
+    link = ActorLink(resolve, min_backoff_s=0.5, max_backoff_s=2.0, clock=lambda: clock[0])
+
+    async def run() -> list[float]:
+        backoffs = []
+        for _ in range(4):
+            with pytest.raises(ActorDiedError):
+                await link.call("report")
+            backoffs.append(link.backoff_s)
+            with pytest.raises(LinkBackoff):  # within the back-off: not sent
+                await link.call("report")
+            clock[0] += link.backoff_s
+        actor.error = None
+        assert await link.call("report") == {"ok": True, "method": "report"}
+        return backoffs
+
+    assert asyncio.run(run()) == [0.5, 1.0, 2.0, 2.0]
+    assert link.backoff_s == 0.0 and link.state()["retry_in_s"] == 0.0
+    assert link.failures == 4 and link.skipped == 4 and len(sent) == 5  # resolved after each death
+
+
+def test_an_error_the_actor_raised_is_not_a_reason_to_back_off() -> None:
+    actor = FakeActor()
+    actor.error = KeyError("no such feature")
+    link = ActorLink(lambda: actor, clock=lambda: 0.0)
+
+    async def run() -> None:
+        for _ in range(3):
+            with pytest.raises(KeyError):
+                await link.call("set_override")
+
+    asyncio.run(run())
+    assert link.failures == 3 and link.skipped == 0 and link.backoff_s == 0.0
+
+
+def test_calls_beyond_max_pending_are_not_sent() -> None:
+    actor = FakeActor()
+    actor.delay_s = 0.2
+    link = ActorLink(lambda: actor, timeout_s=5.0, max_pending=2)
+
+    async def run() -> list[Any]:
+        return await asyncio.gather(*(link.call("view") for _ in range(3)), return_exceptions=True)
+
+    results = asyncio.run(run())
+    assert sum(isinstance(r, LinkBackoff) for r in results) == 1
+    assert sum(r == {"ok": True, "method": "view"} for r in results) == 2
+    assert link.pending == 0 and link.skipped == 1
 
 
 def test_periodic_task_counts_failures_and_keeps_running() -> None:
