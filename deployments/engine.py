@@ -5,7 +5,13 @@ No Ray here: a Serve deployment holds an ``LLMEngine`` and adapts it. The engine
 
 Lifecycle: ``engine = LLMEngine(settings); await engine.start()``; then ``generate``,
 ``render_chat``, ``count_tokens`` and ``stats`` from the same event loop; ``await
-engine.shutdown()`` at the end. Processes that start an engine need an
+engine.shutdown()`` at the end.
+
+Failures are told apart by whose they are, so callers need not import vLLM: a request vLLM
+refuses as invalid raises ``ValueError``; one it cannot serve for its own reasons (its engine-core
+process died, it refused with an HTTP status such as a full queue, any server-side error) raises
+`EngineError`, which says the HTTP status to answer with and whether the engine is gone for good.
+``check_health`` asks vLLM itself: it raises once the engine-core process has died. Processes that start an engine need an
 ``if __name__ == "__main__":`` guard, because vLLM spawns its engine-core process.
 """
 
@@ -26,7 +32,7 @@ from deployments.window import SlidingWindow
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
-__all__ = ["SAMPLING_KEYS", "Delta", "EngineSettings", "EngineStats", "LLMEngine", "cpu_dtype"]
+__all__ = ["SAMPLING_KEYS", "Delta", "EngineError", "EngineSettings", "EngineStats", "LLMEngine", "cpu_dtype"]
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +129,36 @@ def _cpu_flags() -> frozenset[str]:
     except OSError:
         pass
     return frozenset()
+
+
+class EngineError(Exception):
+    """vLLM could not serve a request for a reason that is not the request's fault.
+
+    ``status``: the HTTP status to answer with (503 unless vLLM named another, as its
+    ``GracefulHTTPError`` does); ``dead``: the engine-core process is gone, so no later request
+    can succeed on this engine (its replica must be replaced). The message never holds request text.
+    """
+
+    def __init__(self, message: str, status: int = 503, dead: bool = False) -> None:
+        super().__init__(message)
+        self.status, self.dead = status, dead
+
+
+def engine_error(err: BaseException) -> BaseException:
+    """What ``err``, raised by vLLM, becomes for our callers: `EngineError` for the engine's own
+    failures, ``ValueError`` for a request vLLM refuses as invalid, ``err`` itself otherwise."""
+    from vllm.exceptions import GracefulHTTPError, VLLMClientError, VLLMServerError
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    if isinstance(err, EngineDeadError):
+        return EngineError("the model's engine process has died; this replica is being replaced", dead=True)
+    if isinstance(err, GracefulHTTPError):
+        return EngineError(err.message, status=int(err.http_status))
+    if isinstance(err, VLLMClientError):
+        return ValueError(str(err))
+    if isinstance(err, VLLMServerError):
+        return EngineError(f"the model's engine failed the request ({type(err).__name__})")
+    return err
 
 
 @dataclass(frozen=True)
@@ -248,6 +284,22 @@ class LLMEngine:
         """Whether ``start`` has created the engine and ``shutdown`` has not stopped it."""
         return self._engine is not None
 
+    @property
+    def errored(self) -> bool:
+        """Whether vLLM says its engine is dead (engine-core process gone or its output loop ended)."""
+        return self._engine is not None and bool(self._engine.errored)
+
+    async def check_health(self) -> None:
+        """Raise `EngineError` unless the engine is started and vLLM's own health check passes."""
+        engine = self._engine
+        if engine is None:
+            raise EngineError("the model's engine is not running", dead=True)
+        try:
+            await engine.check_health()
+        except Exception as err:  # noqa: BLE001 - EngineDeadError, or whatever the check raised
+            raise EngineError(f"the model's engine failed its health check ({type(err).__name__})",
+                              dead=True) from err
+
     async def start(self) -> None:
         """Create the vLLM engine; idempotent. Blocks the event loop while vLLM starts
         (about 20-30 s on the 2-core CPU machine, mostly imports in the engine-core process).
@@ -347,6 +399,8 @@ class LLMEngine:
         first_token_s: float | None = None
         completion_tokens = 0
         finished = False
+        if engine.errored:
+            raise engine_error(engine.dead_error)
         self._inflight += 1
         self._requests_total += 1
         stream = engine.generate(engine_input, params, request_id, priority=priority)
@@ -359,6 +413,11 @@ class LLMEngine:
                 except VLLMValidationError as err:
                     # Not a ValueError in vLLM 0.32: translate, so callers need not import vLLM.
                     raise ValueError(str(err)) from err
+                except Exception as err:  # noqa: BLE001 - vLLM's own failures, translated
+                    mapped = engine_error(err)
+                    if mapped is err:
+                        raise
+                    raise mapped from err
                 completion = out.outputs[0]
                 new_tokens = len(completion.token_ids)
                 if new_tokens and first_token_s is None:

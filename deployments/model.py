@@ -10,8 +10,15 @@ computed for nobody.
 Every stream yields typed events (frozen dataclasses, pickled across the handle): first
 `Started` (the prompt's token count) or a `ModelError`, then `Delta` increments; ``generate``
 returns one `Completion` or a `ModelError`. Errors are values, not exceptions, so the ingress
-can map them to HTTP statuses without unwrapping Ray's exception types. The prompt is tokenised
-once, here: the ids that were counted against the limit are the ids vLLM receives.
+can map them to HTTP statuses without unwrapping Ray's exception types; that holds for the
+engine's own failures too (`deployments.engine.EngineError`: its engine-core process died, vLLM
+refused with a status), which become a 503 `ModelError` (or vLLM's status), before the first event
+or in the middle of a stream. The prompt is tokenised once, here: the ids that were counted
+against the limit are the ids vLLM receives.
+
+Health means the engine's health: ``check_health`` (which Serve calls every
+``health_check_period_s``) asks vLLM, so a replica whose engine-core process died fails it and
+Serve replaces the replica; until then each request it gets is answered at once with a 503.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from deployments.engine import SAMPLING_KEYS, Delta, EngineSettings, LLMEngine
+from deployments.engine import SAMPLING_KEYS, Delta, EngineError, EngineSettings, LLMEngine
 from deployments.gpu import GpuProbe
 from deployments.reporting import ActorLink, replica_source, signal_reporter
 from policies.admission import should_drop
@@ -40,6 +47,7 @@ class ModelError:
     message: str
     param: str | None
     kind: str = "invalid_request_error"
+    engine_dead: bool = False  # the engine-core process is gone: this replica cannot serve anything
 
 
 @dataclass(frozen=True)
@@ -59,8 +67,17 @@ class Completion:
     finish_reason: str | None
 
 
-# What generate_stream yields: Started or ModelError first, then Delta increments.
+# What generate_stream yields: Started or ModelError first, then Delta increments (and, if the
+# engine fails mid-stream, a last ModelError).
 StreamEvent = Started | Delta | ModelError
+
+
+def engine_failure(err: EngineError) -> ModelError:
+    """The `ModelError` for an engine failure: its status (503 unless vLLM named another)."""
+    kind = "service_unavailable" if err.status == 503 else (
+        "invalid_request_error" if 400 <= err.status < 500 else "server_error")
+    message = str(err) if err.status != 503 else f"{err}; retry later"
+    return ModelError(err.status, message, None, kind=kind, engine_dead=err.dead)
 
 
 class VLLMModel:
@@ -88,6 +105,7 @@ class VLLMModel:
         self.engine = engine or LLMEngine(self.settings)
         self.gpu = gpu_probe or GpuProbe()
         self.dropped_late = 0  # requests past their deadline when they reached the model
+        self.engine_failures = 0  # requests the engine failed (dead, or refused with a status)
         await self.engine.start()
         if policy_link is None:
             from policies.actor import get_or_create_policy_actor
@@ -153,12 +171,26 @@ class VLLMModel:
         except ValueError as err:
             yield ModelError(400, str(err), None)
             return
+        except EngineError as err:
+            self._engine_failed(err)
+            yield engine_failure(err)
+            return
         except StopAsyncIteration:
             return
         yield Started(prompt_tokens=len(ids))
         yield first
-        async for delta in stream:
-            yield delta
+        try:
+            async for delta in stream:
+                yield delta
+        except EngineError as err:  # the engine died (or refused) mid-stream: the last event says so
+            self._engine_failed(err)
+            yield engine_failure(err)
+
+    def _engine_failed(self, err: EngineError) -> None:
+        self.engine_failures += 1
+        if err.dead:
+            logger.error("VLLMModel: the engine is dead (%s); failing health checks so Serve replaces "
+                         "this replica", err)
 
     async def generate(self, request: Mapping[str, Any]) -> Completion | ModelError:
         """The whole completion as one `Completion` (or the `ModelError`)."""
@@ -206,13 +238,23 @@ class VLLMModel:
             "pid": os.getpid(),
             **asdict(self.engine.stats()),
             "dropped_late": self.dropped_late,
+            "engine_alive": not self.engine.errored,
+            "engine_failures": self.engine_failures,
             "gpu": {"available": gpu.available, "reason": gpu.reason, "read_errors": self.gpu.read_errors,
                     "util_ratio": gpu.util_ratio, "mem_ratio": gpu.mem_ratio},
         }
 
+    async def health(self) -> dict[str, Any]:
+        """What ``check_health`` finds, as a value (the ingress probes it): ``{"ok": bool, "reason"}``."""
+        try:
+            await self.engine.check_health()
+        except EngineError as err:
+            return {"ok": False, "reason": str(err), "pid": os.getpid()}
+        return {"ok": True, "reason": None, "pid": os.getpid()}
+
     async def check_health(self) -> None:
-        if not self.engine.started:
-            raise RuntimeError("vLLM engine is not running")
+        """Serve's health check: vLLM's own. A dead engine fails it, and Serve replaces the replica."""
+        await self.engine.check_health()
 
     async def __del__(self) -> None:
         await self.reporter.stop()

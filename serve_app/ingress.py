@@ -9,6 +9,23 @@ JSON, 404 unknown model, 413 oversized body, 503 (with ``Retry-After``) when the
 unavailable or its bounded queue is full. Rejecting at once is the point: an unbounded queue
 turns overload into multi-second waits for everyone.
 
+No error leaves as a plain-text 500, whatever fails: an infrastructure failure (the model's
+engine died, a replica died, a handle call timed out, Serve refused) is a 503 with
+``Retry-After`` (`failure_error` maps each); an unknown route or method is OpenAI's 404/405; a
+bad query parameter a 400 naming it; anything unforeseen a 500 in OpenAI's JSON, from a route's
+own handler or, as a backstop, `OpenAIErrors` (an ASGI middleware around the whole app, which
+also puts ``X-Brownout-Level`` on every response). A stream that fails after its headers went out
+ends with an OpenAI-shaped ``error`` event and ``data: [DONE]``. While the model is known to be
+down (`serve_app.health.ModelHealth`, fed by a probe and by the model calls themselves), new
+requests get 503 + ``Retry-After`` at once instead of waiting in Serve's router for a replica
+that is still starting.
+
+``/openapi.json`` describes every request body (the OpenAI request models, the admin override)
+and every error response (OpenAI's error schema), although the routes read the raw body
+themselves: they must, to bound the read (`serve_app.security.read_body`) and name the field in
+each 400, so the bodies are declared with ``openapi_extra`` from the same pydantic models the
+routes validate with.
+
 Optional work runs through `serve_app.pipeline.Pipeline`, gated by a `PolicyView` that a
 background task refreshes from the policy actor every ``refresh_s``; no request ever waits on
 the actor. Features whose worker runs in the ingress process (`Worker.host` None) are built
@@ -18,6 +35,7 @@ carries ``X-Brownout-Level`` and ``X-Brownout-Bypassed``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -27,13 +45,19 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray import serve
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.metrics import Counter as ServeCounter
 from starlette.background import BackgroundTask
+from starlette.datastructures import MutableHeaders
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from deployments.engine import SAMPLING_KEYS
 from deployments.enrichments.base import Enrichment, Outcome, run_calls
@@ -51,16 +75,19 @@ from policies.shaping import NO_SHAPING, REQUEST_FIELDS, SHAPED_HEADER, TOKEN_CA
 from policies.slo import fit_policy
 from serve_app.admission import AdmissionGate, Ticket
 from serve_app.breaker import BreakerSettings
+from serve_app.health import ModelHealth
 from serve_app.openai_api import (
     SSE_DONE,
     ChatCompletionRequest,
     CompletionRequest,
+    ErrorResponse,
     RequestError,
     body_too_large,
     chat_chunk,
     chat_completion,
     new_id,
     parse_body,
+    request_schemas,
     sse,
     text_chunk,
     text_completion,
@@ -105,6 +132,9 @@ class PipelineSettings(BaseModel):
     refresh_s: float = Field(default=0.25, gt=0, description="how often the level is refreshed")
     report_s: float = Field(default=0.25, gt=0, description="how often signals are reported")
     drain_s: float = Field(default=1.0, gt=0, description="how often deferred records are drained")
+    model_probe_s: float = Field(default=1.0, gt=0, description="how often the model's engine health is probed")
+    model_probe_timeout_s: float = Field(default=2.0, gt=0,
+                                         description="a probe not answered by then says nothing (a busy replica)")
     breaker: BreakerSettings = Field(default_factory=BreakerSettings,
                                      description="each feature's circuit breaker (serve_app/breaker.py)")
 
@@ -122,23 +152,191 @@ class OverrideBody(BaseModel):
 
 api = FastAPI(title="Brownout", description="OpenAI-compatible LLM serving with graceful degradation")
 
+LEVEL_HEADER = "X-Brownout-Level"
+# This replica's current level, for responses built outside a route (the error backstop). One
+# Ingress per replica process sets it; until then (or outside Serve) nothing is known: "unknown".
+_level_source: list[Callable[[], int]] = []
+
+
+def _level() -> str:
+    try:
+        return str(int(_level_source[-1]())) if _level_source else "unknown"
+    except Exception:  # noqa: BLE001 - a header must never fail the response
+        return "unknown"
+
 
 def _unavailable(limits: IngressLimits, why: str) -> RequestError:
     return RequestError(503, why, None, kind="service_unavailable",
                         headers={"Retry-After": str(limits.retry_after_s)})
 
 
+def failure_error(err: BaseException, retry_after_s: int = 1) -> RequestError:
+    """The client's error for an exception a route did not expect to handle itself.
+
+    Infrastructure that is down or refusing is a 503 + ``Retry-After``: Serve's back-pressure
+    and unavailable deployments, a Ray actor (replica) that died or is unreachable, a call that
+    timed out. Anything else is our own bug: a 500, in OpenAI's shape still, naming only the
+    exception's type (its text may hold request content). ``model_down`` is set on errors that
+    say the model itself cannot serve (a replica died, the deployment is unavailable).
+    """
+    if isinstance(err, RequestError):
+        return err
+    retry = {"Retry-After": str(retry_after_s)}
+
+    def down(message: str, model_down: bool) -> RequestError:
+        out = RequestError(503, message, None, kind="service_unavailable", headers=dict(retry))
+        out.model_down = model_down  # type: ignore[attr-defined]
+        return out
+
+    if isinstance(err, BackPressureError):
+        return down("the model's queue is full; retry later", False)
+    if isinstance(err, DeploymentUnavailableError):
+        return down("the model is not available; retry later", True)
+    if isinstance(err, (RayActorError, ActorUnavailableError)):  # ActorDiedError is a RayActorError
+        return down(f"a replica serving this request died or is unreachable ({type(err).__name__}); "
+                    "retry later", True)
+    if isinstance(err, (asyncio.TimeoutError, TimeoutError, GetTimeoutError)):
+        return down("the request timed out inside the service; retry later", False)
+    if isinstance(err, RayTaskError):
+        cause = err.cause if isinstance(getattr(err, "cause", None), BaseException) else None
+        if cause is not None and not isinstance(cause, RayTaskError):
+            return failure_error(cause, retry_after_s)
+    return RequestError(500, f"internal error ({type(err).__name__}); it has been logged", None,
+                        kind="server_error")
+
+
+def model_event_error(event: ModelError) -> RequestError:
+    out = RequestError(event.status, event.message, event.param, event.kind)
+    out.model_down = bool(getattr(event, "engine_dead", False))  # type: ignore[attr-defined]
+    return out
+
+
 async def _model_call(awaitable: Any, limits: IngressLimits) -> Any:
-    """Await one model event, mapping Serve's refusals to 503s and a `ModelError` to its status."""
+    """Await one model event, mapping Serve's refusals and Ray's failures to 503s (`failure_error`)
+    and a `ModelError` to its status."""
     try:
         event = await awaitable
-    except BackPressureError:
-        raise _unavailable(limits, "the model's queue is full; retry later") from None
-    except DeploymentUnavailableError:
-        raise _unavailable(limits, "the model is not available; retry later") from None
+    except Exception as err:  # noqa: BLE001 - mapped: a 503 for infrastructure, else a JSON 500
+        raise failure_error(err, limits.retry_after_s) from err
     if isinstance(event, ModelError):
-        raise RequestError(event.status, event.message, event.param, event.kind)
+        raise model_event_error(event)
     return event
+
+
+def _error_response(err: RequestError, extra: dict[str, str] | None = None) -> JSONResponse:
+    return err.response({LEVEL_HEADER: _level(), **(extra or {})})
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own 404 (no route) and 405 (wrong method), in OpenAI's shape."""
+    assert isinstance(exc, StarletteHTTPException)
+    kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    return _error_response(RequestError(exc.status_code, message, None, kind=kind),
+                           dict(exc.headers or {}))
+
+
+async def _validation_error(request: Request, exc: Exception) -> Response:
+    """FastAPI's own parameter validation (query parameters): a 400 naming the parameter."""
+    assert isinstance(exc, RequestValidationError)
+    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("query", "path", "header", "body")]
+    param = ".".join(loc) or None
+    return _error_response(RequestError(400, f"{param or 'request'}: {first.get('msg')}", param))
+
+
+class OpenAIErrors:
+    """ASGI middleware around the whole app: every response gets ``X-Brownout-Level``; an
+    exception no route handled becomes OpenAI's JSON (`failure_error`) if nothing was sent yet,
+    or, in a stream already under way, a last ``error`` event and ``data: [DONE]``."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = ended = stream = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started, ended, stream
+            if message["type"] == "http.response.start":
+                started = True
+                headers = MutableHeaders(scope=message)
+                if LEVEL_HEADER.lower() not in headers:
+                    headers[LEVEL_HEADER] = _level()
+                stream = headers.get("content-type", "").startswith("text/event-stream")
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                ended = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as err:  # noqa: BLE001 - the backstop: answered, and logged by type only
+            logger.error("unhandled %s on %s %s", type(err).__name__, scope.get("method"), scope.get("path"))
+            error = failure_error(err)
+            try:
+                if not started:
+                    await _error_response(error)(scope, receive, send)
+                elif stream and not ended:
+                    await send({"type": "http.response.body", "body": sse(error.body()) + SSE_DONE,
+                                "more_body": False})
+            except Exception:  # noqa: BLE001 - the client is gone: nothing left to tell it
+                pass
+
+
+def install_error_handling(app: FastAPI) -> None:
+    """OpenAI's JSON for every error ``app`` answers: the middleware and FastAPI's own errors."""
+    app.add_middleware(OpenAIErrors)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+
+
+install_error_handling(api)
+
+_ERRORS_DOC = {
+    400: "invalid request: the message and `param` name the field",
+    401: "missing or invalid API key (or admin token)",
+    403: "admin API closed, or a wrong admin token",
+    404: "unknown model or route",
+    408: "the request body was not received in time (auth.body_read_timeout_s)",
+    413: "request body over the limit (max_body_bytes)",
+    429: "the API key's rate limit: see Retry-After and x-ratelimit-*",
+    500: "an internal error (a bug), in OpenAI's shape",
+    503: "the model is unavailable or its queue is full: see Retry-After",
+}
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse, "description": text} for code, text in _ERRORS_DOC.items()}
+
+
+def _json_body(schema: str) -> dict[str, Any]:
+    """``openapi_extra`` declaring a required JSON body of the component ``schema``."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{schema}"}}}}}
+
+
+_COMPLETION_OK = {200: {"description": "the completion (JSON), or its SSE stream when `stream` is true",
+                        "content": {"application/json": {}, "text/event-stream": {}}}}
+
+
+def _openapi() -> dict[str, Any]:
+    """FastAPI's document, plus the request models the routes validate with (`_json_body`)."""
+    if api.openapi_schema is None:
+        doc = get_openapi(title=api.title, version=api.version, description=api.description, routes=api.routes)
+        schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+        schemas.update(request_schemas([ChatCompletionRequest, CompletionRequest, OverrideBody]))
+        # FastAPI documents a 422 for query parameters; they are answered as 400s (`_validation_error`)
+        for ops in doc.get("paths", {}).values():
+            for op in ops.values():
+                op.get("responses", {}).pop("422", None)
+        for unused in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(unused, None)
+        api.openapi_schema = doc
+    return api.openapi_schema
+
+
+api.openapi = _openapi  # type: ignore[method-assign]
 
 
 def _key_text(messages: list[dict[str, str]] | None, prompt: str | None) -> str:
@@ -276,10 +474,13 @@ class Ingress:
             tags={"criticality": c.value, "reason": reason}))
         self.shaping: ShapingPlan = NO_SHAPING
         self.policy_version = -1  # the actor's config_version that admission and shaping follow
+        self.model_health = ModelHealth()
+        _level_source.append(lambda: int(self.view.level))  # the error backstop's level header
         self.tasks = [
             PeriodicTask("refresh-level", self._refresh, self.settings.refresh_s),
             signal_reporter(self.policy, source, self._signals, self.settings.report_s),
             PeriodicTask("drain-deferred", self._drain, self.settings.drain_s),
+            PeriodicTask("probe-model", self._probe_model, self.settings.model_probe_s),
         ]
         for task in self.tasks:
             task.start()
@@ -307,6 +508,20 @@ class Ingress:
         if mean is not None:
             out["avg_latency_ms"] = mean
         return out
+
+    async def _probe_model(self) -> None:
+        """Ask a model replica for its engine's health (`ModelHealth`). No answer in time (a busy
+        replica, or none yet) says nothing; an answer, or a replica that is gone, does."""
+        try:
+            health = await asyncio.wait_for(self.model.health.remote(), self.settings.model_probe_timeout_s)
+        except (asyncio.TimeoutError, BackPressureError):
+            return
+        except Exception as err:  # noqa: BLE001 - classified: a dead replica says down
+            mapped = failure_error(err)
+            if getattr(mapped, "model_down", False):
+                self.model_health.observe(False, f"model replica unreachable: {type(err).__name__}")
+            return
+        self.model_health.observe(bool(health.get("ok")), health.get("reason"))
 
     async def _drain(self) -> None:
         view = self.view
@@ -475,13 +690,28 @@ class Ingress:
         self.pipeline.side_effects(ctx, record)
 
     async def _model_call(self, awaitable: Any) -> Any:
-        """`_model_call`, with a computed Retry-After on the model's own 503s (a late drop)."""
+        """`_model_call`, with a computed Retry-After on the model's own 503s (a late drop); what
+        it says about the model's health goes to `ModelHealth`."""
         try:
-            return await _model_call(awaitable, self.limits)
+            event = await _model_call(awaitable, self.limits)
         except RequestError as err:
-            if err.status == 503:
+            if getattr(err, "model_down", False):
+                self.model_health.observe(False, err.message)
+                err.headers.setdefault("Retry-After", str(self.limits.retry_after_s))
+            elif err.status == 503:
                 err.headers["Retry-After"] = str(self.gate.drain_s())
             raise
+        self.model_health.observe(True)
+        return event
+
+    def _failed(self, err: BaseException) -> RequestError:
+        """An unexpected exception as the client's error; logged by type (never its text)."""
+        mapped = failure_error(err, self.limits.retry_after_s)
+        if mapped.status >= 500:
+            logger.warning("request failed: %s -> %d", type(err).__name__, mapped.status)
+        if getattr(mapped, "model_down", False):
+            self.model_health.observe(False, mapped.message)
+        return mapped
 
     def _sse(self, ctx: RequestState, ticket: Ticket, gen: Any, rid: str, chat: bool,
              include_usage: bool, echo_prefix: str, on_end: Callable[[], None]) -> AsyncIterator[bytes]:
@@ -518,15 +748,18 @@ class Ingress:
                 yield chunk(ctx.answer or "", finish)
             else:
                 async for delta in gen:
+                    if isinstance(delta, ModelError):  # the engine failed mid-stream
+                        raise model_event_error(delta)
                     finish, prompt_tokens, completion_tokens = (delta.finish_reason, delta.prompt_tokens,
                                                                 delta.completion_tokens)
                     parts.append(delta.text)
                     yield chunk(delta.text, delta.finish_reason)
                 release(True)  # the model is done with it: a completion that measures its rate
-        except Exception as err:  # noqa: BLE001 - headers are sent; report in-band
+        except Exception as err:  # noqa: BLE001 - headers are sent; report in-band, then end the stream
             release(False)
             logger.warning("stream %s failed: %s", rid, type(err).__name__)  # no request text in logs
-            yield sse(RequestError(500, "generation failed", None, kind="server_error").body())
+            yield sse(self._failed(err).body())
+            yield SSE_DONE
             return
         if include_usage:
             doc = (chat_chunk(rid, model, created, {}) if chat else text_chunk(rid, model, created, ""))
@@ -578,6 +811,9 @@ class Ingress:
             self._shape(body, ctx, field, max_tokens)
             if key is not None:
                 self._rate_limit(key, ctx, body)
+            down = self.model_health.refusal()
+            if down is not None:
+                raise _unavailable(self.limits, down)
             ticket = self.gate.admit(request.headers.get(CRITICALITY_HEADER), base=key.tier if key else None)
             ctx.headers_out[CRITICALITY_HEADER] = ticket.criticality.value
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -590,7 +826,12 @@ class Ingress:
         except RequestError as err:
             if ticket is not None:
                 self.gate.release(ticket, served=False)
-            return err.response({"X-Brownout-Level": str(int(self.view.level))})
+            return err.response({LEVEL_HEADER: str(int(self.view.level))})
+        except Exception as err:  # noqa: BLE001 - infrastructure (503) or our bug (500): JSON either way
+            if ticket is not None:
+                self.gate.release(ticket, served=False)
+            mapped = self._failed(err)
+            return mapped.response({LEVEL_HEADER: str(int(self.view.level))})
         except BaseException:
             if ticket is not None:
                 self.gate.release(ticket, served=False)
@@ -601,31 +842,38 @@ class Ingress:
 
     # -- OpenAI routes -------------------------------------------------------------------------
 
-    @api.post("/v1/chat/completions")
+    @api.post("/v1/chat/completions", openapi_extra=_json_body("ChatCompletionRequest"),
+              responses={**_COMPLETION_OK, **ERROR_RESPONSES})
     async def chat_completions(self, request: Request) -> Response:
         return await self._handle(request, chat=True)
 
-    @api.post("/v1/completions")
+    @api.post("/v1/completions", openapi_extra=_json_body("CompletionRequest"),
+              responses={**_COMPLETION_OK, **ERROR_RESPONSES})
     async def completions(self, request: Request) -> Response:
         return await self._handle(request, chat=False)
 
-    @api.get("/v1/models")
+    @api.get("/v1/models", responses=ERROR_RESPONSES)
     async def models(self, request: Request) -> Response:
         try:
             self._authenticate(request)
         except RequestError as err:
-            return err.response()
+            return _error_response(err)
         return JSONResponse({"object": "list", "data": [{"id": self.served_model_name, "object": "model",
                                                          "created": self.created, "owned_by": "brownout"}]})
 
-    @api.get("/healthz")
+    @api.get("/healthz", responses={503: ERROR_RESPONSES[503]})
     async def healthz(self) -> Response:
+        """200 only if a model replica answers and its engine is alive (vLLM's own check)."""
         try:
-            stats = await self.model.stats.remote()
+            stats = await asyncio.wait_for(self.model.stats.remote(), self.settings.model_probe_timeout_s * 5)
         except Exception as err:  # noqa: BLE001 - any failure means "not healthy"
-            return _unavailable(self.limits, f"model unreachable: {type(err).__name__}").response()
+            return _error_response(_unavailable(self.limits, f"model unreachable: {type(err).__name__}"))
+        if not stats.get("engine_alive", True):
+            self.model_health.observe(False, "the model's engine process has died")
+            return _error_response(_unavailable(self.limits, "the model's engine process has died; its replica "
+                                                "is being replaced"))
         return JSONResponse({"status": "ok", "model": self.served_model_name, "level": int(self.view.level),
-                             "engine": stats})
+                             "engine": stats, "model_health": self.model_health.state()})
 
     # -- admin API -----------------------------------------------------------------------------
 
@@ -642,14 +890,14 @@ class Ingress:
             self._admin_check(request)
             result = await self.policy.call(method, *args, **kwargs)
         except RequestError as err:
-            return err.response()
+            return _error_response(err)
         except Exception as err:  # noqa: BLE001 - the actor is down or slow: say so
-            return _unavailable(self.limits, f"policy actor unavailable: {type(err).__name__}").response()
+            return _error_response(_unavailable(self.limits, f"policy actor unavailable: {type(err).__name__}"))
         if isinstance(result, dict) and result.get("ok") is False:
-            return RequestError(400, result.get("error", "rejected"), None).response()
+            return _error_response(RequestError(400, result.get("error", "rejected"), None))
         return JSONResponse(result)
 
-    @api.get("/admin/brownout")
+    @api.get("/admin/brownout", responses=ERROR_RESPONSES)
     async def admin_state(self, request: Request) -> Response:
         response = await self._admin(request, "get_state")
         if response.status_code != 200:
@@ -662,14 +910,15 @@ class Ingress:
             "last_policy_error": self.last_policy_error, "inflight": self.inflight, "pid": os.getpid(),
             "admission": self.gate.state(),
             "largest_refused_body_read": self.largest_refused_read,
+            "model_health": self.model_health.state(),
         }
         return JSONResponse(state)
 
-    @api.get("/admin/brownout/history")
-    async def admin_history(self, request: Request, n: int = 100) -> Response:
+    @api.get("/admin/brownout/history", responses=ERROR_RESPONSES)
+    async def admin_history(self, request: Request, n: int = Query(default=100, ge=1, le=10_000)) -> Response:
         return await self._admin(request, "history", n)
 
-    @api.post("/admin/brownout/override")
+    @api.post("/admin/brownout/override", openapi_extra=_json_body("OverrideBody"), responses=ERROR_RESPONSES)
     async def admin_override(self, request: Request) -> Response:
         try:
             self._admin_check(request)  # before the body is read
@@ -679,20 +928,20 @@ class Ingress:
                 raise RequestError(400, f"ttl_s: {body.ttl_s:g} exceeds the maximum of "
                                    f"{self.auth.max_override_ttl_s:g} s (auth.max_override_ttl_s)", "ttl_s")
         except RequestError as err:
-            return err.response()
+            return _error_response(err)
         return await self._admin(request, "set_override", level=body.level, feature=body.feature,
                                  enabled=body.enabled, ttl_s=body.ttl_s, note=body.note)
 
-    @api.delete("/admin/brownout/override")
+    @api.delete("/admin/brownout/override", responses=ERROR_RESPONSES)
     async def admin_clear(self, request: Request, level: bool = False, feature: str | None = None) -> Response:
         return await self._admin(request, "clear_override", level=level, feature=feature)
 
-    @api.get("/admin/brownout/enrichments")
+    @api.get("/admin/brownout/enrichments", responses=ERROR_RESPONSES)
     async def admin_enrichments(self, request: Request) -> Response:
         try:
             self._admin_check(request)
         except RequestError as err:
-            return err.response()
+            return _error_response(err)
         # the ingress's own workers first: same shape as EnrichmentHost.stats()
         out: dict[str, Any] = {"Ingress": {
             "pid": os.getpid(),

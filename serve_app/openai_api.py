@@ -11,6 +11,16 @@ passed to the engine (`deployments.engine.SAMPLING_KEYS`); their ranges are vLLM
 server does not implement (log probabilities, tools, response formats, ...) are accepted only with
 the value that asks for nothing (``logprobs: false``, ``tools: []``, ...), so clients and
 benchmark tools that send the defaults explicitly work; any other value is a 400 naming the field.
+
+Nothing a client sends may reach the engine in a form that can fail there, where a failure is a
+500 or, worse, kills the engine process for everyone: so, at the door, each a 400 naming the field,
+a body nested deeper than `MAX_JSON_DEPTH` (checked on the raw bytes before parsing: Python's
+parser recurses and fails with a RecursionError), a string UTF-8 cannot hold (a lone surrogate
+escape such as ``"\ud800"``), a non-finite number (``NaN``, ``Infinity``, ``1e400``), and an
+integer outside the range vLLM's own OpenAI server accepts (``seed`` and token ids: 64-bit).
+
+The request and error models here are also what ``/openapi.json`` publishes (`openapi_components`),
+so schema-driven clients and fuzzers see the same rules the server applies.
 """
 
 from __future__ import annotations
@@ -18,14 +28,23 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic.json_schema import models_json_schema
 from starlette.responses import JSONResponse
 
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # vLLM's OpenAI server: the range of ``seed``
+MAX_JSON_DEPTH = 32  # the deepest valid request nests 5 levels (body, messages, [i], content, [j])
+
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+
+
 class _Req(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # allow_inf_nan=False: NaN, Infinity and 1e400 (which JSON decoding makes infinite) are 400s
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class TextPart(_Req):
@@ -105,7 +124,8 @@ class _Sampling(_Req):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX,
+                             description="64-bit, as vLLM's OpenAI server accepts")
     user: str | None = Field(default=None, max_length=256)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
@@ -116,12 +136,12 @@ class _Sampling(_Req):
     top_k: int | None = Field(default=None, ge=-1, description="vLLM: sample from the k likeliest tokens; 0 or -1: all")
     min_p: float | None = Field(default=None, ge=0.0, le=1.0, description="vLLM: minimum probability relative to the likeliest")
     repetition_penalty: float | None = Field(default=None, gt=0.0, description="vLLM: > 1 discourages repeats")
-    stop_token_ids: list[int] | None = Field(default=None, description="vLLM: token ids that end the completion")
+    stop_token_ids: list[TokenId] | None = Field(default=None, description="vLLM: token ids that end the completion")
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     bad_words: list[str] | None = Field(default=None, description="vLLM: words never generated")
-    allowed_token_ids: list[int] | None = Field(default=None, description="vLLM: only these token ids")
+    allowed_token_ids: list[TokenId] | None = Field(default=None, description="vLLM: only these token ids")
     # Accepted only with their no-op value (see _NO_OP_COMMON).
     logit_bias: Any = None
     use_beam_search: Any = None
@@ -211,6 +231,29 @@ class CompletionRequest(_Sampling):
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
 
 
+class ErrorDetail(BaseModel):
+    """OpenAI's error object."""
+
+    message: str = Field(min_length=1, description="what is wrong; a 400 names the field first")
+    type: str = Field(description="invalid_request_error, authentication_error, permission_error, "
+                      "not_found_error, rate_limit_error, service_unavailable or server_error")
+    param: str | None = Field(default=None, description="the field at fault, dotted (messages.0.content)")
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every 4xx and 5xx body: OpenAI's error shape."""
+
+    error: ErrorDetail
+
+
+def request_schemas(models: list[type[BaseModel]]) -> dict[str, Any]:
+    """JSON schemas of ``models`` (as validated: what a client may send) and every model they
+    use, keyed by name, their references pointing into an OpenAPI document's components."""
+    _, doc = models_json_schema([(m, "validation") for m in models], ref_template="#/components/schemas/{model}")
+    return dict(doc.get("$defs", {}))
+
+
 class RequestError(Exception):
     """An error bound for the client: HTTP status, message, offending field."""
 
@@ -239,14 +282,77 @@ def body_too_large(size: int, max_body_bytes: int) -> RequestError:
     return RequestError(413, f"request body is {size} bytes; the limit is {max_body_bytes} (max_body_bytes)", None)
 
 
+# a JSON string, unrolled ("normal* (escape normal*)*"): linear and C-fast on a 1 MiB string
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_JSON_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]', re.DOTALL)
+_KEY_FOLLOWS = re.compile(rb"\s*:")
+_NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
+LOCATE_DEPTH_UP_TO = 64 * 1024  # bytes: a deeper body of at most this size gets its field named
+
+
+def json_depth_exceeds(raw: bytes, max_depth: int) -> bool:
+    """Whether the JSON text ``raw`` nests arrays and objects deeper than ``max_depth``.
+
+    Read on the bytes, before any parser recurses, at C speed: strings are cut out (a bracket
+    inside one does not nest) and only the brackets kept; then each round removes every
+    innermost ``[]`` and ``{}`` pair, one level everywhere (a pair that becomes adjacent is left
+    for the next round). If a pair is still there after ``max_depth`` rounds, something nests
+    deeper. Text that is not valid JSON may get either answer; the parser then refuses it anyway.
+    """
+    if raw.count(b"[") + raw.count(b"{") <= max_depth:
+        return False  # too few openers to nest that deep, strings or not: most bodies stop here
+    left = _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKET)
+    for _ in range(max_depth):
+        # "x" marks a removed pair, so a pair it makes adjacent waits for the next round
+        shorter = left.replace(b"[]", b"x").replace(b"{}", b"x").replace(b"x", b"")
+        if len(shorter) == len(left):
+            return False  # nothing (more) nests: gone, or brackets that do not pair (not JSON)
+        left = shorter
+    return b"[]" in left or b"{}" in left
+
+
+def json_deep_field(raw: bytes, max_depth: int) -> tuple[int, str | None] | None:
+    """Where ``raw`` first nests deeper than ``max_depth``: (byte offset, the top-level key it is
+    under, if any). A walk in Python over every bracket: call it only on small bodies."""
+    depth, key = 0, None
+    for m in _JSON_TOKEN.finditer(raw):
+        token = m.group()
+        if token[0] == 0x22:  # a string: at depth 1 and followed by ':', a top-level key
+            if depth == 1 and _KEY_FOLLOWS.match(raw, m.end()):
+                key = token[1:-1].decode("utf-8", "replace")
+        elif token in (b"[", b"{"):
+            depth += 1
+            if depth > max_depth:
+                return m.start(), key
+        else:
+            depth -= 1
+    return None
+
+
+def decode_json(raw: bytes) -> Any:
+    """The JSON document in ``raw``, or a 400 that says what is wrong with it."""
+    if json_depth_exceeds(raw, MAX_JSON_DEPTH):
+        where = json_deep_field(raw, MAX_JSON_DEPTH) if len(raw) <= LOCATE_DEPTH_UP_TO else None
+        at, key = where if where is not None else (None, None)
+        raise RequestError(400, f"{key or 'body'}: nested deeper than {MAX_JSON_DEPTH} levels"
+                           + (f" (at byte {at})" if at is not None else "")
+                           + "; no request field nests that deep", key)
+    try:
+        return json.loads(raw)
+    except UnicodeDecodeError as err:
+        raise RequestError(400, f"request body is not valid UTF-8: {err.reason} at byte {err.start}", None) from None
+    except RecursionError:  # nested past Python's own limit, and not valid JSON either
+        raise RequestError(400, f"body: nested deeper than {MAX_JSON_DEPTH} levels", None) from None
+    except (json.JSONDecodeError, ValueError) as err:
+        # ValueError: e.g. an integer literal too long for int() (Python's digit limit)
+        raise RequestError(400, f"request body is not valid JSON: {type(err).__name__}: {err}", None) from None
+
+
 def parse_body(raw: bytes, schema: type[_Req], max_body_bytes: int) -> Any:
     """Size check, JSON decode and schema validation, each failure a `RequestError`."""
     if len(raw) > max_body_bytes:
         raise body_too_large(len(raw), max_body_bytes)
-    try:
-        doc = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise RequestError(400, f"request body is not valid JSON: {err}", None) from None
+    doc = decode_json(raw)
     if not isinstance(doc, dict):
         raise RequestError(400, f"request body must be a JSON object, got {type(doc).__name__}", None)
     bad = _unencodable(doc, "")
@@ -264,7 +370,9 @@ def parse_body(raw: bytes, schema: type[_Req], max_body_bytes: int) -> Any:
         elif first["type"] == "missing":
             msg = "field required"
         got = first.get("input")
-        detail = f" (got {got!r})" if first["type"] not in ("missing",) and not isinstance(got, (dict, list)) else ""
+        shown = repr(got)
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."  # a 1 MiB value is not echoed whole
+        detail = f" (got {shown})" if first["type"] not in ("missing",) and not isinstance(got, (dict, list)) else ""
         raise RequestError(400, f"{param}: {msg}{detail}", param) from None
 
 
