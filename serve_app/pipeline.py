@@ -318,15 +318,21 @@ class Pipeline:
 
     def abandon(self, ctx: RequestState, outcome: str, status: int | None = None) -> None:
         """`settle_outcome` from synchronous code (a stream's end callback, an error path):
-        scheduled on the running loop, bounded like every side effect (when full, run inline is
-        impossible here, so it is counted ``shed`` per feature)."""
+        scheduled on the running loop, bounded like every side effect. When `max_background`
+        tasks are outstanding, a feature with an open spool gets the record through its group
+        commit (no task of its own); the others are shed, counted."""
         if ctx.settled:
             return
         if len(self._background) >= self.max_background:
             ctx.settled = True
+            ctx.outcome, ctx.status = outcome, status
+            record = ctx.record(None, {})
             for f in self._side_features(outcome):
-                self.shed[f.name] += 1
-                self._on_outcome(f.name, "shed")
+                if f.name in self.spools and self._deferrable(ctx, f):
+                    self._submit_nowait(f.name, self._prepare(f, record))  # the group commit: no task of its own
+                else:
+                    self.shed[f.name] += 1
+                    self._on_outcome(f.name, "shed")
             return
         self._spawn(self.settle_outcome(ctx, outcome, status))
 

@@ -465,3 +465,23 @@ def test_drain_adopts_orphaned_spools_of_another_replica(tmp_path: Path) -> None
     assert [r["request_id"] for r in written] == ["old0", "old1", "old2"]
     assert [r["record_id"] for r in written] == ["old0:audit_log", "old1:audit_log", "old2:audit_log"]
     assert not (tmp_path / "audit_log-ingress2.spool").exists()
+
+
+def test_abandon_when_the_cap_is_reached_spools_the_audit_record(tmp_path: Path) -> None:
+    stages = FakeStages()
+    stages.slow_s["audit_log"] = 0.3
+    p = pipeline(stages, lambda f: DurableSpool(tmp_path, f), max_background=1)
+    on = view(0, modes=DEFER_AUDIT)
+
+    async def go() -> None:
+        await p.open_spool("audit_log")
+        first = ctx(on, user=None)
+        await p.settle(first, first.record("stop", {}))  # holds the only background slot
+        dropped = ctx(on, user=None)
+        dropped.request_id = "r2"
+        p.abandon(dropped, "client_dropped")
+        await p.wait_idle()
+        await asyncio.sleep(0.05)  # the group commit's flusher
+
+    run(go())
+    assert p.pending("audit_log") == 1 and p.deferred == {"audit_log": 1} and p.shed == {}
