@@ -117,10 +117,10 @@ def _check_min_max(min_tokens: int | None, max_tokens: int | None, max_name: str
 
 class _Sampling(_Req):
     model: str = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=INT64_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -132,8 +132,8 @@ class _Sampling(_Req):
     # vLLM's sampling extensions (same names, meanings and ranges as its SamplingParams);
     # None leaves vLLM's default. Ranges are checked here so the 400 names the field.
     ignore_eos: bool = Field(default=False, description="vLLM extension: generate past end-of-sequence")
-    min_tokens: int | None = Field(default=None, ge=0, description="vLLM: tokens to generate before EOS/stop may end it")
-    top_k: int | None = Field(default=None, ge=-1, description="vLLM: sample from the k likeliest tokens; 0 or -1: all")
+    min_tokens: int | None = Field(default=None, ge=0, le=INT64_MAX, description="vLLM: tokens to generate before EOS/stop may end it")
+    top_k: int | None = Field(default=None, ge=-1, le=INT64_MAX, description="vLLM: sample from the k likeliest tokens; 0 or -1: all")
     min_p: float | None = Field(default=None, ge=0.0, le=1.0, description="vLLM: minimum probability relative to the likeliest")
     repetition_penalty: float | None = Field(default=None, gt=0.0, description="vLLM: > 1 discourages repeats")
     stop_token_ids: list[TokenId] | None = Field(default=None, description="vLLM: token ids that end the completion")
@@ -182,7 +182,7 @@ class _Sampling(_Req):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
     # Accepted only with their no-op value (see _NO_OP_CHAT).
     logprobs: Any = None
     top_logprobs: Any = None

@@ -149,3 +149,219 @@ def test_completion_no_op_fields() -> None:
     with pytest.raises(RequestError) as info:
         parse_body(raw(logprobs=2), CompletionRequest, 10_000)
     assert info.value.param == "logprobs"
+
+
+# -- inputs that used to reach the engine and fail there (plain-text 500s) ------------------------
+
+DEEP_STOP = b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+
+
+@pytest.mark.parametrize("raw, param, pattern", [
+    (b"[" * 5000, None, r"body: nested deeper than 32 levels"),  # unclosed: the parser's own RecursionError
+    (b"[" * 5000 + b"]" * 5000, None, r"body: nested deeper than 32 levels \(at byte 32\)"),
+    (DEEP_STOP, "stop", r"stop: nested deeper than 32 levels"),
+    (b'{"model": "m", "messages": ' + b"[" * 40 + b"]" * 40 + b"}", "messages", r"messages: nested deeper"),
+    (body(messages=[{"role": "user", "content": "\ud800"}]), "messages.0.content", r"not valid Unicode"),
+    (body(messages=[{"role": "user", "content": [{"type": "text", "text": "a\udfffb"}]}]),
+     "messages.0.content.0.text", r"not valid Unicode"),
+    (body(stop="\ud800"), "stop", r"stop: text is not valid Unicode"),
+    (body(stop=["ok", "\udc80"]), "stop.1", r"not valid Unicode"),
+    (body(user="\ud800"), "user", r"not valid Unicode"),
+    (body(seed=2**64), "seed", r"seed: Input should be less than or equal to 9223372036854775807"),
+    (body(seed=-(2**63) - 1), "seed", r"seed: Input should be greater than or equal to"),
+    (body(stop_token_ids=[2**63]), "stop_token_ids.0", r"less than or equal to 9223372036854775807"),
+    (body(temperature=float("nan")), "temperature", r"temperature: Input should be a finite number"),
+    (body(repetition_penalty=float("inf")), "repetition_penalty", r"finite number"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "top_p": 1e400}', "top_p", r"finite number"),
+    (b'{"model": "m", "messages": [], "max_tokens": ' + b"9" * 5000 + b"}", None, r"not valid JSON: .*digits"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "\xc3\x28"}]}', None,
+     r"not valid UTF-8: invalid continuation byte at byte"),
+])
+def test_inputs_that_once_failed_in_the_engine_are_400s(raw: bytes, param: str | None, pattern: str) -> None:
+    with pytest.raises(RequestError) as info:
+        parse_body(raw, ChatCompletionRequest, 1 << 20)
+    assert (info.value.status, info.value.param) == (400, param), info.value.message
+    assert re.search(pattern, info.value.message), info.value.message
+
+
+def test_the_64_bit_seed_range_is_accepted_to_its_ends() -> None:
+    assert parse_body(body(seed=2**63 - 1), ChatCompletionRequest, 10_000).seed == 2**63 - 1
+    assert parse_body(body(seed=-(2**63)), ChatCompletionRequest, 10_000).seed == -(2**63)
+
+
+@pytest.mark.parametrize("text, deeper", [
+    ("{}", False), ("[" * 32 + "]" * 32, False), ("[" * 33 + "]" * 33, True),
+    ('{"a": "' + "[" * 100 + '"}', False),  # brackets inside a string do not nest
+    ('{"a": "\\"' + "[" * 100 + '"}', False),  # nor after an escaped quote
+    ("[{" * 16 + "}]" * 16, False), ("[{" * 16 + "[]" + "}]" * 16, True),
+    ("[[],[[]]]" * 1000, False), ("[" * 10_000, False),  # unpaired: not JSON, the parser says so
+    ("]" * 100 + "[" * 100, False), ("[}" * 100, False),
+])
+def test_json_depth_is_read_on_the_bytes(text: str, deeper: bool) -> None:
+    from serve_app.openai_api import json_depth_exceeds
+
+    assert json_depth_exceeds(text.encode(), 32) is deeper
+
+
+def test_depth_check_is_fast_on_a_hostile_megabyte() -> None:
+    import time
+
+    from serve_app.openai_api import json_depth_exceeds
+
+    for raw in (b"[]" * 500_000, (b"[" * 31 + b"]" * 31) * 16_000, b'"a",' * 250_000, b'"' + b"[" * 1_000_000 + b'"'):
+        started = time.perf_counter()
+        json_depth_exceeds(raw, 32)
+        assert time.perf_counter() - started < 1.0
+
+
+# -- failures mapped to OpenAI's JSON ------------------------------------------------------------
+
+def _ray_errors() -> list[tuple[BaseException, int, bool]]:
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
+    from ray.serve.exceptions import DeploymentUnavailableError
+
+    from ray.serve._private.common import DeploymentID
+
+    return [
+        (BackPressureError(num_queued_requests=1, max_queued_requests=1), 503, False),
+        (DeploymentUnavailableError(DeploymentID(name="VLLMModel", app_name="a")), 503, True),
+        (ActorDiedError(), 503, True),
+        (RayActorError(), 503, True),
+        (ActorUnavailableError("gone", None), 503, True),
+        (GetTimeoutError(), 503, False),
+        (asyncio.TimeoutError(), 503, False),
+        (KeyError("x"), 500, False),
+        (RecursionError(), 500, False),
+    ]
+
+
+def test_failures_map_to_openai_json_503_or_500() -> None:
+    from serve_app.ingress import failure_error
+
+    for err, status, down in _ray_errors():
+        mapped = failure_error(err, retry_after_s=3)
+        assert mapped.status == status, (err, mapped.message)
+        assert mapped.body()["error"]["message"]
+        assert bool(getattr(mapped, "model_down", False)) is down, err
+        if status == 503:
+            assert mapped.headers["Retry-After"] == "3" and mapped.kind == "service_unavailable"
+        else:
+            assert mapped.kind == "server_error" and "x" not in mapped.message.split("(")[0]
+
+
+def test_a_task_error_is_mapped_by_its_cause() -> None:
+    from ray.exceptions import ActorDiedError, RayTaskError
+
+    from serve_app.ingress import failure_error
+
+    wrapped = RayTaskError("generate", "traceback", ActorDiedError())
+    assert failure_error(wrapped).status == 503
+    assert failure_error(RayTaskError("generate", "traceback", ValueError("boom"))).status == 500
+
+
+def test_an_engine_failure_in_a_model_call_is_a_503_that_says_the_model_is_down() -> None:
+    async def dead():  # type: ignore[no-untyped-def]
+        return ModelError(503, "the engine died; retry later", None, kind="service_unavailable", engine_dead=True)
+
+    with pytest.raises(RequestError) as info:
+        asyncio.run(_model_call(dead(), IngressLimits()))
+    assert info.value.status == 503 and info.value.model_down  # type: ignore[attr-defined]
+
+
+def test_model_health_follows_the_latest_observation() -> None:
+    from serve_app.health import ModelHealth
+
+    now = [100.0]
+    h = ModelHealth(clock=lambda: now[0])
+    assert h.refusal() is None and h.up
+    h.observe(False, "engine dead")
+    now[0] = 105.0
+    h.observe(False, "engine dead")
+    assert h.downs == 1 and h.since == 100.0
+    assert "engine dead" in (h.refusal() or "") and h.refused == 1
+    h.observe(True)
+    assert h.refusal() is None and h.state()["up"] and h.since == 105.0
+
+
+def _app_with_error_handling():  # type: ignore[no-untyped-def]
+    from fastapi import FastAPI
+    from starlette.responses import StreamingResponse
+
+    from serve_app.ingress import install_error_handling
+
+    app = FastAPI()
+    install_error_handling(app)
+
+    @app.get("/boom")
+    async def boom() -> None:
+        raise RuntimeError("secret request text")
+
+    @app.get("/dead")
+    async def dead() -> None:
+        from ray.exceptions import ActorDiedError
+
+        raise ActorDiedError()
+
+    @app.get("/items")
+    async def items(n: int = 1) -> dict:  # type: ignore[type-arg]
+        return {"n": n}
+
+    @app.get("/stream")
+    async def stream() -> StreamingResponse:
+        async def body():  # type: ignore[no-untyped-def]
+            yield b'data: {"x": 1}\n\n'
+            raise RuntimeError("mid-stream")
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    return app
+
+
+def test_every_error_of_the_app_is_openai_json_with_the_level_header() -> None:
+    from starlette.testclient import TestClient
+
+    with TestClient(_app_with_error_handling(), raise_server_exceptions=False) as client:
+        for method, path, status in (("GET", "/boom", 500), ("GET", "/dead", 503), ("GET", "/nowhere", 404),
+                                     ("POST", "/items", 405), ("GET", "/items?n=abc", 400)):
+            r = client.request(method, path)
+            assert r.status_code == status, (path, r.text)
+            assert r.headers["content-type"].startswith("application/json"), path
+            err = r.json()["error"]
+            assert err["message"] and err["type"], path
+            assert "secret" not in err["message"]
+            assert "x-brownout-level" in r.headers
+        assert client.get("/items?n=abc").json()["error"]["param"] == "n"
+        assert client.get("/dead").headers["retry-after"] == "1"
+        assert "x-brownout-level" in client.get("/items").headers
+
+
+def test_a_stream_that_fails_after_its_headers_ends_with_an_error_event_and_done() -> None:
+    from starlette.testclient import TestClient
+
+    with TestClient(_app_with_error_handling(), raise_server_exceptions=False) as client:
+        r = client.get("/stream")
+    events = [line for line in r.text.split("\n") if line]
+    assert events[0] == 'data: {"x": 1}'
+    assert json.loads(events[-2][len("data: "):])["error"]["type"] == "server_error"
+    assert events[-1] == "data: [DONE]"
+
+
+def test_openapi_describes_every_request_body_and_error() -> None:
+    from serve_app.ingress import api
+
+    doc = api.openapi()
+    schemas = doc["components"]["schemas"]
+    for path, method, model in (("/v1/chat/completions", "post", "ChatCompletionRequest"),
+                                ("/v1/completions", "post", "CompletionRequest"),
+                                ("/admin/brownout/override", "post", "OverrideBody")):
+        op = doc["paths"][path][method]
+        assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/" + model)
+        assert model in schemas
+        for code in ("400", "401", "403", "404", "408", "413", "429", "503"):
+            ref = op["responses"][code]["content"]["application/json"]["schema"]["$ref"]
+            assert ref.endswith("/ErrorResponse"), (path, code)
+    assert schemas["ChatCompletionRequest"]["properties"]["seed"]["anyOf"][0]["maximum"] == 2**63 - 1
+    assert "422" not in json.dumps(doc["paths"])
+    # every reference resolves inside the document
+    refs = set(re.findall(r'"#/components/schemas/([^"]+)"', json.dumps(doc)))
+    assert refs <= set(schemas), refs - set(schemas)

@@ -1,0 +1,93 @@
+"""VLLMModel's answers when its engine fails: values (`ModelError`), never exceptions.
+
+The engine here is a stub with `LLMEngine`'s interface that raises `EngineError` where vLLM's
+``AsyncLLM`` would raise ``EngineDeadError`` or a ``GracefulHTTPError`` (the translation itself is
+vLLM-specific and runs in the integration fault test, `tests/integration/test_faults.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from deployments.engine import Delta, EngineError, EngineSettings
+from deployments.model import ModelError, Started, VLLMModel
+
+
+class StubEngine:
+    def __init__(self, fail_after: int | None, error: EngineError) -> None:
+        self.fail_after, self.error = fail_after, error
+        self.dead = False
+
+    @property
+    def errored(self) -> bool:
+        return self.dead
+
+    def encode(self, text: str) -> list[int]:
+        return [1] * len(text.split())
+
+    def render_chat(self, messages: Any) -> str:
+        return " ".join(m["content"] for m in messages)
+
+    async def check_health(self) -> None:
+        if self.dead:
+            raise EngineError("the model's engine process has died", dead=True)
+
+    async def generate(self, prompt: str, sampling: Any, request_id: str, prompt_ids: Any = None,
+                       priority: int = 0) -> AsyncIterator[Delta]:
+        for i in range(3):
+            if self.fail_after is not None and i >= self.fail_after:
+                self.dead = self.error.dead
+                raise self.error
+            yield Delta(text="t", new_tokens=1, prompt_tokens=2, completion_tokens=i + 1,
+                        finish_reason="length" if i == 2 else None)
+
+
+def model(engine: StubEngine) -> VLLMModel:
+    m = object.__new__(VLLMModel)  # no Serve, no reporter: only the request path
+    m.settings = EngineSettings(model="stub")
+    m.served_model_name, m.max_prompt_tokens = "stub", 100
+    m.engine, m.dropped_late, m.engine_failures = engine, 0, 0  # type: ignore[assignment]
+    return m
+
+
+async def events(m: VLLMModel) -> list[Any]:
+    return [e async for e in m.generate_stream({"prompt": "a b", "max_tokens": 3})]
+
+
+DEAD = EngineError("the model's engine process has died; this replica is being replaced", dead=True)
+BUSY = EngineError("The engine is currently busy", status=503)
+CONFLICT = EngineError("already active", status=409)
+
+
+@pytest.mark.parametrize("fail_after, error, status, dead", [
+    (0, DEAD, 503, True), (0, BUSY, 503, False), (0, CONFLICT, 409, False),
+])
+def test_an_engine_failure_before_the_first_token_is_one_model_error(fail_after, error, status, dead) -> None:  # type: ignore[no-untyped-def]
+    m = model(StubEngine(fail_after, error))
+    (only,) = asyncio.run(events(m))
+    assert isinstance(only, ModelError) and (only.status, only.engine_dead) == (status, dead)
+    assert only.kind == ("service_unavailable" if status == 503 else "invalid_request_error")
+    assert m.engine_failures == 1
+    assert isinstance(asyncio.run(m.generate({"prompt": "a b", "max_tokens": 3})), ModelError)
+
+
+def test_an_engine_death_mid_stream_ends_it_with_a_model_error() -> None:
+    m = model(StubEngine(2, DEAD))
+    got = asyncio.run(events(m))
+    assert isinstance(got[0], Started) and [type(e) for e in got[1:3]] == [Delta, Delta]
+    assert isinstance(got[-1], ModelError) and got[-1].status == 503 and got[-1].engine_dead
+
+
+def test_health_asks_the_engine() -> None:
+    engine = StubEngine(0, DEAD)
+    m = model(engine)
+    assert asyncio.run(m.health())["ok"] is True
+    asyncio.run(m.check_health())
+    asyncio.run(events(m))  # the engine dies
+    assert asyncio.run(m.health())["ok"] is False
+    with pytest.raises(EngineError):
+        asyncio.run(m.check_health())  # Serve sees the replica unhealthy and replaces it
