@@ -19,24 +19,48 @@ reports within ``stale_after_s``, and until then the restored level holds (fail-
 
 Remote methods: ``report``, ``view``, ``get_state``, ``set_override``, ``clear_override``,
 ``update_config``, ``get_config``, ``history``.
+
+Metrics (Ray's metrics export; Prometheus adds the ``ray_`` prefix; ``docs/OPERATIONS.md`` lists
+them with their tags). Gauges are set every tick, counters grow by what each tick observed:
+
+- ``brownout_level``, ``brownout_policy_level`` (what the rules say, under a pin),
+  ``brownout_level_pinned`` (1 while an operator pin holds);
+- ``brownout_level_transitions_total{from,to,direction,reason}``;
+- ``brownout_feature_enabled{feature}``, ``brownout_feature_disabled_seconds_total{feature}``,
+  ``brownout_feature_turned_off_total{feature,cause}`` (cause: ``level`` or ``override``);
+- ``brownout_signal{signal}`` (the aggregated value the policy decided on; a signal no fresh
+  report carries keeps its last value, so read it with ``brownout_signal_stale``),
+  ``brownout_signal_stale{signal}`` (1: stale, blocks recovery), ``brownout_stale_signals``
+  (how many), ``brownout_policy_sources`` (replicas with a fresh report);
+- ``brownout_signal_threshold{level,signal,bound}`` (bound ``trigger`` or ``recover``), set when
+  the policy changes (NaN for one a new policy dropped);
+- ``brownout_policy_tick_ms`` (histogram: one tick's ``decide()`` and bookkeeping),
+  ``brownout_policy_tick_errors_total``;
+- ``brownout_report_errors_total{reason}``: reports the actor rejected (``rejected``: unknown
+  signal or bad value) or that carried a signal its replica failed to read (``failed_read``).
+  Reports that never reached the actor are counted by the sender (`deployments.reporting`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import ray
 
-from policies.config import default_policy, parse_policy
+from policies.config import SIGNALS, default_policy, parse_policy
 from policies.controller import Transition
 from policies.features import REGISTRY, PolicyView
-from policies.service import PolicyCore
+from policies.service import PolicyCore, threshold_table
 
 ACTOR_NAME = "brownout-policy"
 ACTOR_NAMESPACE = "brownout"
+# brownout_policy_tick_ms buckets: a tick is well under a millisecond at rest; 250 ms is the tick
+TICK_MS_BOUNDARIES = [0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0]
 KV_KEY = b"brownout-policy/persisted"
 KV_NAMESPACE = "brownout"
 
@@ -55,37 +79,113 @@ def _kv_get() -> bytes | None:
     return internal_kv._internal_kv_get(KV_KEY, namespace=KV_NAMESPACE)
 
 
+class PolicyMetrics:
+    """The actor's Ray metrics (see the module docstring), fed from `PolicyCore` after each tick."""
+
+    def __init__(self) -> None:
+        from ray.util.metrics import Counter, Gauge, Histogram
+
+        self.level = Gauge("brownout_level", "Current degradation level (0-3)")
+        self.policy_level = Gauge("brownout_policy_level", "The level the rules decided (the level unless pinned)")
+        self.pinned = Gauge("brownout_level_pinned", "1 while an operator's level pin holds")
+        self.enabled = Gauge("brownout_feature_enabled", "1 if the feature runs at the current level",
+                             tag_keys=("feature",))
+        self.transitions = Counter("brownout_level_transitions_total", "Level changes",
+                                   tag_keys=("from", "to", "direction", "reason"))
+        self.disabled_s = Counter("brownout_feature_disabled_seconds_total",
+                                  "Seconds an optional feature was off", tag_keys=("feature",))
+        self.turned_off = Counter("brownout_feature_turned_off_total",
+                                  "Times an optional feature was turned off, by the level or an override",
+                                  tag_keys=("feature", "cause"))
+        self.signal = Gauge("brownout_signal", "A load signal as the policy last aggregated it",
+                            tag_keys=("signal",))
+        self.signal_stale = Gauge("brownout_signal_stale", "1 if the signal is stale (it blocks recovery)",
+                                  tag_keys=("signal",))
+        self.stale_count = Gauge("brownout_stale_signals", "How many signals are stale")
+        self.sources = Gauge("brownout_policy_sources", "Replicas whose latest report is fresh")
+        self.threshold = Gauge("brownout_signal_threshold", "A level's trigger or recover value for a signal",
+                               tag_keys=("level", "signal", "bound"))
+        self.tick_ms = Histogram("brownout_policy_tick_ms", "Duration of one policy tick (ms)",
+                                 boundaries=TICK_MS_BOUNDARIES)
+        self.tick_errors = Counter("brownout_policy_tick_errors_total", "Policy ticks that raised")
+        self.report_errors = Counter("brownout_report_errors_total",
+                                     "Reports rejected, or carrying a signal the replica failed to read",
+                                     tag_keys=("reason",))
+        self._config_version: int | None = None
+        self._thresholds: set[tuple[str, str, str]] = set()
+
+    def transition(self, transition: Transition) -> None:
+        direction = "up" if transition.to_level > transition.from_level else "down"
+        self.transitions.inc(tags={"from": str(int(transition.from_level)), "to": str(int(transition.to_level)),
+                                   "direction": direction, "reason": transition.reason.kind})
+
+    def report(self, ok: bool, failed_read: bool) -> None:
+        if not ok:
+            self.report_errors.inc(tags={"reason": "rejected"})
+        elif failed_read:
+            self.report_errors.inc(tags={"reason": "failed_read"})
+
+    def tick_failed(self) -> None:
+        self.tick_errors.inc()
+
+    def tick(self, core: PolicyCore, tick_ms: float) -> None:
+        view = core.view()
+        self.level.set(int(view.level))
+        self.policy_level.set(int(core.state.policy_level))
+        self.pinned.set(1 if core.state.pin is not None else 0)
+        for feature in REGISTRY:
+            self.enabled.set(1 if feature in view.enabled else 0, tags={"feature": feature})
+        added, edges = core.last_tick
+        for feature, seconds in added.items():
+            self.disabled_s.inc(seconds, tags={"feature": feature})
+        for feature, cause in edges:
+            self.turned_off.inc(tags={"feature": feature, "cause": cause})
+        signals = core.signals
+        for name, value in signals.values.items():
+            self.signal.set(float(value), tags={"signal": name})
+        for name in SIGNALS:
+            self.signal_stale.set(1 if name in signals.stale else 0, tags={"signal": name})
+        self.stale_count.set(len(signals.stale))
+        self.sources.set(signals.sources)
+        if core.config_version != self._config_version:
+            self._set_thresholds(core)
+        self.tick_ms.observe(tick_ms)
+
+    def _set_thresholds(self, core: PolicyCore) -> None:
+        """On a policy change: every (level, signal, bound) the policy has; one it dropped reads
+        NaN (Prometheus' "no value": a line at 0 would read as a threshold always crossed)."""
+        self._config_version = core.config_version  # once per version, even if a set fails
+        seen: set[tuple[str, str, str]] = set()
+        for signal, levels in threshold_table(core.config).items():
+            for level, bounds in levels.items():
+                for bound, value in bounds.items():
+                    seen.add((level, signal, bound))
+                    self.threshold.set(value, tags={"level": level, "signal": signal, "bound": bound})
+        for level, signal, bound in self._thresholds - seen:
+            self.threshold.set(math.nan, tags={"level": level, "signal": signal, "bound": bound})
+        self._thresholds = seen
+
+
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
 class PolicyActor:
     """The Ray actor: a `PolicyCore`, a tick loop and Ray metrics. See the module docstring."""
 
     def __init__(self, config: Mapping[str, Any] | None = None, tick_s: float = 0.25) -> None:
-        from ray.util.metrics import Counter, Gauge
-
         logging.basicConfig(level=logging.INFO)
         self.tick_s = tick_s
-        self._level_gauge = Gauge("brownout_level", "Current degradation level (0-3)")
-        self._feature_gauge = Gauge("brownout_feature_enabled", "1 if the feature runs at the current level",
-                                    tag_keys=("feature",))
-        self._transitions = Counter("brownout_level_transitions_total", "Level changes",
-                                    tag_keys=("direction", "reason"))
+        self.metrics = PolicyMetrics()
         initial = parse_policy(config) if config else default_policy()
-        self.core = PolicyCore(initial, persist=_kv_put, restore=_kv_get, on_transition=self._count)
+        self.core = PolicyCore(initial, persist=_kv_put, restore=_kv_get, on_transition=self.metrics.transition)
         self._task: asyncio.Task[None] | None = None
-
-    def _count(self, transition: Transition) -> None:
-        direction = "up" if transition.to_level > transition.from_level else "down"
-        self._transitions.inc(tags={"direction": direction, "reason": transition.reason.kind})
 
     async def _loop(self) -> None:
         while True:
+            started = time.perf_counter()
             try:
                 self.core.tick()
-                view = self.core.view()
-                self._level_gauge.set(int(view.level))
-                for feature in REGISTRY:
-                    self._feature_gauge.set(1 if feature in view.enabled else 0, tags={"feature": feature})
+                self.metrics.tick(self.core, (time.perf_counter() - started) * 1000.0)
             except Exception:  # noqa: BLE001 - the loop must outlive any one bad tick
+                self.metrics.tick_failed()
                 logger.exception("policy tick failed")
             await asyncio.sleep(self.tick_s)
 
@@ -95,7 +195,9 @@ class PolicyActor:
 
     async def report(self, source: str, signals: dict[str, float], stale: list[str] | None = None) -> bool:
         self._ensure_loop()
-        return self.core.report(source, signals, stale or ())
+        ok = self.core.report(source, signals, stale or ())
+        self.metrics.report(ok, bool(stale))
+        return ok
 
     async def view(self) -> PolicyView:
         self._ensure_loop()

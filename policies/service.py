@@ -5,6 +5,13 @@ Persistence (config + operator overrides + level) goes through injected ``persis
 callables so that a restarted actor comes back with the same policy and pins; signals and dwell
 timers are not persisted: they rebuild from fresh reports, and until then the restored level
 holds (fail-static).
+
+Operators' accounting lives here too, so that it is pure and testable: `threshold_table` (each
+level's trigger and recover value per signal, what "signals against thresholds" compares with)
+and `FeatureClock` (per optional feature: seconds disabled and how often it was turned off, by
+cause, since the actor started and over the last ``window_s``). The actor turns both into
+Prometheus metrics; ``get_state()`` (``GET /admin/brownout``) carries them as ``thresholds`` and
+``feature_time``.
 """
 
 from __future__ import annotations
@@ -31,11 +38,115 @@ from policies.controller import (
     pin_level,
     unpin,
 )
+from policies import features as feat
 from policies.features import FeatureOverride, Level, OffMode, PolicyView
 from policies.signals import Aggregator, Report, Signals
 from policies.slo import fit_policy
 
 logger = logging.getLogger("brownout.policy")
+
+LEVELS = (1, 2, 3)
+
+
+def threshold_table(config: DegradationConfig) -> dict[str, dict[str, dict[str, float]]]:
+    """``{signal: {"1": {"trigger": t, "recover": r}, ...}}`` for every signal a level triggers on.
+
+    Level keys are strings (the table travels as JSON). The recover value is the one `decide`
+    uses (defaults filled in: ``recover_ratio`` of the trigger).
+    """
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for level in LEVELS:
+        recover = config.recover_thresholds(level)
+        for signal, trigger in config.trigger_thresholds(level).items():
+            out.setdefault(signal, {})[str(level)] = {"trigger": float(trigger), "recover": float(recover[signal])}
+    return out
+
+
+def off_causes(enabled: frozenset[str], by_level: frozenset[str]) -> dict[str, str]:
+    """Why each optional feature that does not run now is off: ``level`` (the level's rule
+    turns it off) or ``override`` (an operator forced it off while the level allows it)."""
+    return {f: ("override" if f in by_level else "level") for f in feat.optional_names() if f not in enabled}
+
+
+class FeatureClock:
+    """Per optional feature: seconds spent disabled and how often it was turned off, by cause,
+    since start and over the last ``window_s`` (5 minutes).
+
+    ``update(now, off)`` is called once per policy tick with the features that are off now and
+    why (`off_causes`); the time since the previous update is charged to every feature off at
+    both ends (a tick is 250 ms, so an edge is placed within one tick). A turn-off is counted on
+    an observed on -> off edge only: the first update establishes the state (after an actor
+    restart at level 3, nothing was "turned off" by the new actor). Returns this update's
+    increments, ``(seconds disabled per feature, [(feature, cause) turned off])``, which the
+    actor adds to its counters.
+    """
+
+    def __init__(self, window_s: float = 300.0, max_intervals: int = 4096) -> None:
+        self.window_s = window_s
+        self.max_intervals = max_intervals
+        self._last: float | None = None
+        self._off: dict[str, str] = {}
+        self.disabled_s: collections.Counter[str] = collections.Counter()
+        self.turned_off: collections.Counter[tuple[str, str]] = collections.Counter()
+        # recent history for the window: (start, end) disabled and the times of turn-offs
+        self._intervals: dict[str, collections.deque[tuple[float, float]]] = {}
+        self._edges: dict[str, collections.deque[tuple[float, str]]] = {}
+
+    def update(self, now: float, off: Mapping[str, str]) -> tuple[dict[str, float], list[tuple[str, str]]]:
+        added: dict[str, float] = {}
+        edges: list[tuple[str, str]] = []
+        if self._last is not None:
+            dt = max(0.0, now - self._last)
+            for feature in off:
+                if feature in self._off:
+                    if dt > 0:
+                        added[feature] = dt
+                        self.disabled_s[feature] += dt
+                        self._interval(feature, self._last, now)
+                else:
+                    cause = off[feature]
+                    edges.append((feature, cause))
+                    self.turned_off[(feature, cause)] += 1
+                    self._edges.setdefault(feature, collections.deque(maxlen=self.max_intervals)).append((now, cause))
+        self._last = now
+        self._off = dict(off)
+        self._trim(now)
+        return added, edges
+
+    def _interval(self, feature: str, start: float, end: float) -> None:
+        spans = self._intervals.setdefault(feature, collections.deque(maxlen=self.max_intervals))
+        if spans and spans[-1][1] == start:  # extend the running span instead of adding ticks
+            spans[-1] = (spans[-1][0], end)
+        else:
+            spans.append((start, end))
+
+    def _trim(self, now: float) -> None:
+        cutoff = now - self.window_s
+        for spans in self._intervals.values():
+            while spans and spans[0][1] <= cutoff:
+                spans.popleft()
+        for edges in self._edges.values():
+            while edges and edges[0][0] < cutoff:
+                edges.popleft()
+
+    def snapshot(self, now: float) -> dict[str, dict[str, Any]]:
+        """Per optional feature: ``off`` now (and its cause), ``disabled_s`` and ``turned_off``
+        (by cause) since start, and the same over the last ``window_s`` (``*_window``)."""
+        cutoff = now - self.window_s
+        out: dict[str, dict[str, Any]] = {}
+        for feature in feat.optional_names():
+            spans = self._intervals.get(feature, ())
+            recent = sum(max(0.0, min(end, now) - max(start, cutoff)) for start, end in spans)
+            edges = [cause for at, cause in self._edges.get(feature, ()) if at >= cutoff]
+            out[feature] = {
+                "off": feature in self._off,
+                "cause": self._off.get(feature),
+                "disabled_s": round(self.disabled_s[feature], 3),
+                "turned_off": {c: n for (f, c), n in sorted(self.turned_off.items()) if f == feature},
+                "disabled_s_window": round(recent, 3),
+                "turned_off_window": dict(collections.Counter(edges)),
+            }
+        return out
 
 
 class PolicyCore:
@@ -72,6 +183,9 @@ class PolicyCore:
         self.config_origin = "default"
         self._persist = persist
         self._on_transition = on_transition
+        # operators' accounting (see the module docstring): updated on every tick
+        self.feature_clock = FeatureClock()
+        self.last_tick: tuple[dict[str, float], list[tuple[str, str]]] = ({}, [])
         if restore is not None:
             self._restore(restore)
 
@@ -154,7 +268,13 @@ class PolicyCore:
         # the policy level is persisted on change (and an expired pin is dropped)
         if transition is not None or before_pin is not self.state.pin:
             self._save()
+        self.last_tick = self.feature_clock.update(now, self.off_now(now))
         return transition
+
+    def off_now(self, now: float) -> dict[str, str]:
+        """The optional features off now, and why (`off_causes`)."""
+        return off_causes(enabled_features(self.config, self.state, now),
+                          feat.enabled_set(self.state.level, self.config.off_levels(), {}))
 
     def _record(self, transition: Transition) -> None:
         self.transitions.append(transition.to_dict())
@@ -290,6 +410,8 @@ class PolicyCore:
             "report_errors": self.report_errors,
             "last_config_error": self.last_config_error,
             "recent_transitions": list(self.transitions)[-10:],
+            "thresholds": threshold_table(self.config),
+            "feature_time": self.feature_clock.snapshot(now),
         }
 
     def history(self, n: int = 100) -> list[dict[str, Any]]:
