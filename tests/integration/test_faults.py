@@ -1,0 +1,116 @@
+"""Faults injected into a real deployment: vLLM's engine-core process killed inside the model replica.
+
+The model replica's PID comes from the replica itself (``stats()["pid"]``); its engine-core is
+the child process vLLM names ``VLLM::EngineCore``, found with psutil and killed by PID (only that
+process). What must hold: no client ever sees a plain-text 500; while the engine is dead and
+while its replacement starts, clients get 503 in OpenAI's JSON with ``Retry-After`` and the level
+header; a stream cut by the death ends with an OpenAI-shaped ``error`` event and ``data: [DONE]``;
+and the service answers 200 again by itself (Serve replaces the replica because its health
+check asks vLLM), within a bounded wait.
+
+Run it last in a session: it replaces the model replica (the replacement takes about a minute).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections import Counter
+
+import httpx
+import psutil
+import pytest
+
+from tests.integration.conftest import Cluster, model_stats
+
+pytestmark = pytest.mark.integration
+CHAT = "/v1/chat/completions"
+RECOVERY_BOUND_S = 240
+
+
+def engine_core_pid() -> tuple[int, int]:
+    """(the model replica's PID, its VLLM::EngineCore child's PID)."""
+    replica = model_stats()["pid"]
+    cores = [p for p in psutil.Process(replica).children(recursive=True)
+             if "EngineCore" in " ".join(_names(p))]
+    assert len(cores) == 1, [(p.pid, _names(p)) for p in psutil.Process(replica).children(recursive=True)]
+    return replica, cores[0].pid
+
+
+def _names(p: psutil.Process) -> list[str]:
+    try:
+        return [p.name(), *p.cmdline()]
+    except psutil.Error:
+        return []
+
+
+def _chat(max_tokens: int = 4, **kw: object) -> dict[str, object]:
+    return {"model": "brownout-tiny", "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": max_tokens, **kw}
+
+
+def _assert_openai_503(r: httpx.Response) -> None:
+    assert r.status_code == 503, (r.status_code, r.headers.get("content-type"), r.text[:300])
+    assert r.headers["content-type"].startswith("application/json"), r.text[:300]
+    assert int(r.headers["retry-after"]) >= 1
+    assert r.headers["x-brownout-level"]
+    err = r.json()["error"]
+    assert err["type"] == "service_unavailable" and err["message"]
+
+
+def test_a_killed_engine_core_gives_503s_then_the_service_recovers_by_itself(deployed: Cluster) -> None:
+    http = deployed.client(timeout=30)
+    assert http.post(CHAT, json=_chat()).status_code == 200
+    replica, core = engine_core_pid()
+
+    # A stream under way when the engine dies: it must end in-band, in OpenAI's shape, with [DONE].
+    with deployed.client(timeout=60).stream("POST", CHAT, json=_chat(400, ignore_eos=True, stream=True)) as s:
+        assert s.status_code == 200
+        lines = s.iter_lines()
+        assert next(lines).startswith("data: ")
+        os.kill(core, signal.SIGKILL)  # only the engine-core process; the replica process lives on
+        killed_at = time.monotonic()
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]", rest[-3:]
+    last = json.loads(rest[-2][len("data: "):])
+    assert last["error"]["type"] == "service_unavailable" and last["error"]["message"], last
+
+    statuses: Counter[int] = Counter()
+    recovered_at = None
+    saw_healthz_503 = False
+    while time.monotonic() - killed_at < RECOVERY_BOUND_S:
+        try:
+            r = http.post(CHAT, json=_chat())
+        except httpx.TimeoutException:
+            statuses[-1] += 1  # a client time-out is counted, never a pass
+            continue
+        statuses[r.status_code] += 1
+        if r.status_code == 200:
+            if statuses[503]:
+                recovered_at = time.monotonic()
+                break
+        else:
+            _assert_openai_503(r)
+        if not saw_healthz_503:
+            h = http.get("/healthz")
+            saw_healthz_503 = h.status_code == 503
+            if h.status_code != 200:
+                _assert_openai_503(h)
+        time.sleep(0.5)
+    print(f"after the kill: {dict(statuses)}; recovered in "
+          f"{None if recovered_at is None else round(recovered_at - killed_at, 1)} s")
+    assert statuses[503] >= 1, statuses
+    assert recovered_at is not None, f"no 200 within {RECOVERY_BOUND_S} s after the kill: {dict(statuses)}"
+    assert set(statuses) <= {200, 503}, statuses
+    assert saw_healthz_503, "/healthz never said the engine was dead"
+
+    # a new replica, with a new engine, serves: streams and whole responses alike
+    new_replica, new_core = engine_core_pid()
+    assert new_replica != replica and new_core != core, (replica, new_replica)
+    r = http.post(CHAT, json=_chat())
+    assert r.status_code == 200, r.text
+    with http.stream("POST", CHAT, json=_chat(stream=True)) as s:
+        assert [line for line in s.iter_lines() if line][-1] == "data: [DONE]"
+    assert http.get("/healthz").status_code == 200
