@@ -33,7 +33,8 @@ them with their tags). Gauges are set every tick, counters grow by what each tic
   ``brownout_signal_stale{signal}`` (1: stale, blocks recovery), ``brownout_stale_signals``
   (how many), ``brownout_policy_sources`` (replicas with a fresh report);
 - ``brownout_signal_threshold{level,signal,bound}`` (bound ``trigger`` or ``recover``), set when
-  the policy changes (NaN for one a new policy dropped);
+  the policy changes (NaN for one a new policy dropped), and ``brownout_slo_ms{objective}``
+  (``e2e_p99`` and, where set, ``ttft_p99``: what latency panels draw as the line to stay under);
 - ``brownout_policy_tick_ms`` (histogram: one tick's ``decide()`` and bookkeeping),
   ``brownout_policy_tick_errors_total``;
 - ``brownout_report_errors_total{reason}``: reports the actor rejected (``rejected``: unknown
@@ -105,6 +106,8 @@ class PolicyMetrics:
         self.sources = Gauge("brownout_policy_sources", "Replicas whose latest report is fresh")
         self.threshold = Gauge("brownout_signal_threshold", "A level's trigger or recover value for a signal",
                                tag_keys=("level", "signal", "bound"))
+        self.slo_ms = Gauge("brownout_slo_ms", "The policy's latency objective (NaN: none)",
+                            tag_keys=("objective",))
         self.tick_ms = Histogram("brownout_policy_tick_ms", "Duration of one policy tick (ms)",
                                  boundaries=TICK_MS_BOUNDARIES)
         self.tick_errors = Counter("brownout_policy_tick_errors_total", "Policy ticks that raised")
@@ -164,6 +167,10 @@ class PolicyMetrics:
         for level, signal, bound in self._thresholds - seen:
             self.threshold.set(math.nan, tags={"level": level, "signal": signal, "bound": bound})
         self._thresholds = seen
+        slo = core.config.slo
+        self.slo_ms.set(math.nan if slo is None else slo.e2e_p99_ms, tags={"objective": "e2e_p99"})
+        ttft = None if slo is None else slo.ttft_p99_ms
+        self.slo_ms.set(math.nan if ttft is None else ttft, tags={"objective": "ttft_p99"})
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
