@@ -114,3 +114,22 @@ def test_a_killed_engine_core_gives_503s_then_the_service_recovers_by_itself(dep
     with http.stream("POST", CHAT, json=_chat(stream=True)) as s:
         assert [line for line in s.iter_lines() if line][-1] == "data: [DONE]"
     assert http.get("/healthz").status_code == 200
+
+
+def test_vllm_failures_are_translated_by_whose_they_are() -> None:
+    """vLLM's own exception types (importing vLLM costs about 20 s, so this is not a unit test)."""
+    from vllm.exceptions import GenerationError, QueueOverflowError, VLLMValidationError
+    from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+
+    from deployments.engine import EngineError, engine_error
+
+    dead = engine_error(EngineDeadError())
+    assert isinstance(dead, EngineError) and (dead.status, dead.dead) == (503, True)
+    busy = engine_error(QueueOverflowError())  # a GracefulHTTPError: its own status
+    assert isinstance(busy, EngineError) and (busy.status, busy.dead) == (503, False)
+    for server_side in (EngineGenerateError(), GenerationError()):
+        failed = engine_error(server_side)
+        assert isinstance(failed, EngineError) and failed.status == 503 and not failed.dead
+    assert isinstance(engine_error(VLLMValidationError("bad", parameter="x")), ValueError)
+    other = KeyError("k")
+    assert engine_error(other) is other
