@@ -236,7 +236,8 @@ class Out:
         rich = None if plain else _rich()
         self.console = None
         if rich is not None:
-            width = max(100, int(os.environ.get("COLUMNS", "0") or 0))
+            # a terminal's own width; piped output is not cut at rich's default of 80 columns
+            width = None if stream.isatty() else max(100, int(os.environ.get("COLUMNS", "0") or 0))
             self.console = rich.console.Console(file=stream, width=width, highlight=False, soft_wrap=False)
             self._rich = rich
 
