@@ -29,11 +29,11 @@ them with their tags). Gauges are set every tick, counters grow by what each tic
 - ``brownout_feature_enabled{feature}``, ``brownout_feature_disabled_seconds_total{feature}``,
   ``brownout_feature_turned_off_total{feature,cause}`` (cause: ``level`` or ``override``);
 - ``brownout_signal{signal}`` (the aggregated value the policy decided on; a signal no fresh
-  report carries keeps its last value, so read it with ``brownout_signal_stale``),
+  report carries is no longer updated, so read it with ``brownout_signal_stale``),
   ``brownout_signal_stale{signal}`` (1: stale, blocks recovery), ``brownout_stale_signals``
   (how many), ``brownout_policy_sources`` (replicas with a fresh report);
-- ``brownout_signal_threshold{level,signal,bound}`` (bound ``trigger`` or ``recover``), set when
-  the policy changes (NaN for one a new policy dropped), and ``brownout_slo_ms{objective}``
+- ``brownout_signal_threshold{level,signal,bound}`` (bound ``trigger`` or ``recover``; NaN once
+  for one a new policy dropped), and ``brownout_slo_ms{objective}``
   (``e2e_p99`` and, where set, ``ttft_p99``: what latency panels draw as the line to stay under);
 - ``brownout_policy_tick_ms`` (histogram: one tick's ``decide()`` and bookkeeping),
   ``brownout_policy_tick_errors_total``;
@@ -116,6 +116,8 @@ class PolicyMetrics:
                                      tag_keys=("reason",))
         self._config_version: int | None = None
         self._thresholds: set[tuple[str, str, str]] = set()
+        self._policy_points: list[tuple[float, dict[str, str]]] = []
+        self._slo_points: list[tuple[str, float]] = []
 
     def transition(self, transition: Transition) -> None:
         direction = "up" if transition.to_level > transition.from_level else "down"
@@ -151,26 +153,34 @@ class PolicyMetrics:
         self.stale_count.set(len(signals.stale))
         self.sources.set(signals.sources)
         if core.config_version != self._config_version:
-            self._set_thresholds(core)
+            self._policy_changed(core)
+        # Set every tick, like the other gauges: a gauge recorded once (at the actor's start, or
+        # at a policy change) was not on the metrics endpoint later (seen in the integration test).
+        for value, tags in self._policy_points:
+            self.threshold.set(value, tags=tags)
+        for objective, value in self._slo_points:
+            self.slo_ms.set(value, tags={"objective": objective})
         self.tick_ms.observe(tick_ms)
 
-    def _set_thresholds(self, core: PolicyCore) -> None:
-        """On a policy change: every (level, signal, bound) the policy has; one it dropped reads
-        NaN (Prometheus' "no value": a line at 0 would read as a threshold always crossed)."""
+    def _policy_changed(self, core: PolicyCore) -> None:
+        """On a policy change: the (level, signal, bound) thresholds and the SLO to export. One a
+        new policy dropped reads NaN once (Prometheus' "no value": a line at 0 would read as a
+        threshold always crossed), then is no longer set."""
         self._config_version = core.config_version  # once per version, even if a set fails
-        seen: set[tuple[str, str, str]] = set()
+        points: list[tuple[float, dict[str, str]]] = []
         for signal, levels in threshold_table(core.config).items():
             for level, bounds in levels.items():
                 for bound, value in bounds.items():
-                    seen.add((level, signal, bound))
-                    self.threshold.set(value, tags={"level": level, "signal": signal, "bound": bound})
+                    points.append((value, {"level": level, "signal": signal, "bound": bound}))
+        seen = {(t["level"], t["signal"], t["bound"]) for _, t in points}
         for level, signal, bound in self._thresholds - seen:
             self.threshold.set(math.nan, tags={"level": level, "signal": signal, "bound": bound})
         self._thresholds = seen
+        self._policy_points = points
         slo = core.config.slo
-        self.slo_ms.set(math.nan if slo is None else slo.e2e_p99_ms, tags={"objective": "e2e_p99"})
         ttft = None if slo is None else slo.ttft_p99_ms
-        self.slo_ms.set(math.nan if ttft is None else ttft, tags={"objective": "ttft_p99"})
+        self._slo_points = [("e2e_p99", math.nan if slo is None else slo.e2e_p99_ms),
+                            ("ttft_p99", math.nan if ttft is None else ttft)]
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)

@@ -1,0 +1,112 @@
+"""The `brownout` command line against the real app: a subprocess, as an operator runs it.
+
+Acceptance (issue 13): ``brownout status`` prints the level and its reason; ``brownout override
+--level 2 --ttl 30s`` is in force at once (within one policy tick) and gone after 30 s;
+``--json`` output parses; the exit codes say what went wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+
+from tests.integration.conftest import ROOT, Cluster, free_port
+
+pytestmark = pytest.mark.integration
+
+
+def brownout(cluster: Cluster, *args: str, token: str | None = None, url: str | None = None,
+             timeout_s: float = 60) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BROWNOUT_")}
+    env["BROWNOUT_ADMIN_TOKEN"] = token if token is not None else cluster.secrets.admin_token
+    env["BROWNOUT_URL"] = url or cluster.base_url
+    return subprocess.run([sys.executable, "-m", "serve_app.cli", *args], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=timeout_s)
+
+
+def status_json(cluster: Cluster) -> dict[str, Any]:
+    out = brownout(cluster, "status", "--json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_status_prints_the_level_and_its_reason(deployed: Cluster) -> None:
+    brownout(deployed, "release")
+    out = brownout(deployed, "status", "--plain")
+    assert out.returncode == 0, out.stderr
+    state = status_json(deployed)
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith(f"level {state['level']}"), lines[0]
+    assert lines[1].startswith("reason: "), lines[1]
+    last = (state["recent_transitions"] or [None])[-1]
+    if last is not None:
+        assert last["reason"]["kind"] in lines[1]
+    assert "signals (" in out.stdout and "features (" in out.stdout
+    # with rich (the default), the same facts
+    rich = brownout(deployed, "status")
+    assert rich.returncode == 0 and f"level {state['level']}" in rich.stdout and "reason: " in rich.stdout
+
+
+def test_override_is_in_force_within_one_tick_and_gone_after_its_ttl(deployed: Cluster) -> None:
+    out = brownout(deployed, "override", "--level", "2", "--ttl", "30s", "--note", "cli acceptance")
+    assert out.returncode == 0, out.stderr
+    assert "level pinned at 2 for 30s" in out.stdout
+    state = status_json(deployed)
+    assert state["level"] == 2, state["level"]
+    pin = state["pin"]
+    assert pin["level"] == 2 and pin["note"] == "cli acceptance"
+    assert 28 <= pin["expires_at"] - time.time() <= 30.5
+    # one policy tick (250 ms) plus the ingress's refresh (250 ms) later, requests are served at 2
+    deadline = time.monotonic() + 1.0
+    while status_json(deployed)["ingress"]["snapshot_level"] != 2:
+        assert time.monotonic() < deadline, "the ingress did not follow the pin within a second"
+    listed = brownout(deployed, "status", "--plain").stdout
+    assert "PINNED by an operator" in listed and "cli acceptance" in listed
+
+    time.sleep(max(0.0, pin["expires_at"] - 2 - time.time()))
+    assert status_json(deployed)["pin"] is not None, "the pin went before its TTL"
+    time.sleep(max(0.0, pin["expires_at"] + 1 - time.time()))
+    state = status_json(deployed)
+    assert state["pin"] is None, "the pin outlived its TTL by more than a second"
+    history = json.loads(brownout(deployed, "history", "-n", "50", "--json").stdout)
+    pinned = [t for t in history if t["reason"].get("detail") == "level pinned at 2"]
+    assert pinned, history
+    if state["level"] != 2:  # the pin's end changed the level: the history says why
+        assert any(t["reason"]["kind"] == "override_expired" and t["at"] >= pin["expires_at"] for t in history)
+
+
+def test_feature_override_and_release(deployed: Cluster) -> None:
+    out = brownout(deployed, "override", "--feature", "debug_capture", "--off", "--ttl", "1m")
+    assert out.returncode == 0, out.stderr
+    state = status_json(deployed)
+    assert state["feature_overrides"]["debug_capture"]["enabled"] is False
+    assert "debug_capture" not in state["enabled"]
+    out = brownout(deployed, "release", "--feature", "debug_capture", "--json")
+    assert out.returncode == 0, out.stderr
+    assert "debug_capture" not in json.loads(out.stdout)["state"]["feature_overrides"]
+
+
+@pytest.mark.parametrize("verb", [["status"], ["history", "-n", "5"], ["features"], ["watch", "--count", "2",
+                                                                                  "--interval", "0.5s"]])
+def test_json_output_parses(deployed: Cluster, verb: list[str]) -> None:
+    out = brownout(deployed, *verb, "--json")
+    assert out.returncode == 0, out.stderr
+    docs = [json.loads(line) for line in out.stdout.splitlines()]
+    assert docs and all(isinstance(d, (dict, list)) for d in docs)
+
+
+def test_exit_codes_say_what_went_wrong(deployed: Cluster) -> None:
+    refused = brownout(deployed, "status", token="not-the-token")
+    assert refused.returncode == 4 and "admin token refused" in refused.stderr
+    nobody = brownout(deployed, "status", url=f"http://127.0.0.1:{free_port()}")
+    assert nobody.returncode == 3 and "make serve" in nobody.stderr
+    bad = brownout(deployed, "override", "--feature", "no_such_feature", "--on", "--ttl", "1m")
+    assert bad.returncode == 2 and "no_such_feature" in bad.stderr
+    too_long = brownout(deployed, "override", "--level", "1", "--ttl", "2h")
+    assert too_long.returncode == 2 and "ttl_s" in too_long.stderr
