@@ -254,6 +254,10 @@ def request_schemas(models: list[type[BaseModel]]) -> dict[str, Any]:
     return dict(doc.get("$defs", {}))
 
 
+def _encodable(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class RequestError(Exception):
     """An error bound for the client: HTTP status, message, offending field."""
 
@@ -266,6 +270,9 @@ class RequestError(Exception):
         headers: dict[str, str] | None = None,
         code: str | None = None,
     ) -> None:
+        # the message and field may quote the client's text: escaped where UTF-8 cannot hold it
+        # (a lone surrogate in a key), so the response itself can always be encoded
+        message, param = _encodable(message), None if param is None else _encodable(param)
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, message, param, kind
         self.headers = headers or {}

@@ -55,6 +55,7 @@ def _check(raw: bytes, schema: type) -> RequestError | None:
         assert err.status in (400, 413), (err.status, err.message)
         body = err.body()["error"]
         assert body["message"] and body["type"] == "invalid_request_error"
+        err.response()  # the response itself renders: no text in it that UTF-8 cannot hold
         return err
     _safe(req.model_dump())
     return None

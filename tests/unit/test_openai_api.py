@@ -365,3 +365,12 @@ def test_openapi_describes_every_request_body_and_error() -> None:
     # every reference resolves inside the document
     refs = set(re.findall(r'"#/components/schemas/([^"]+)"', json.dumps(doc)))
     assert refs <= set(schemas), refs - set(schemas)
+
+
+def test_a_lone_surrogate_in_a_key_is_a_400_whose_response_renders() -> None:
+    raw = b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "\\ud800": 1}'
+    with pytest.raises(RequestError) as info:
+        parse_body(raw, ChatCompletionRequest, 10_000)
+    assert info.value.status == 400 and info.value.param == "\\ud800"
+    rendered = json.loads(info.value.response().body)["error"]
+    assert rendered["param"] == "\\ud800" and "not valid Unicode" in rendered["message"]
