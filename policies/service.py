@@ -39,7 +39,7 @@ from policies.controller import (
     unpin,
 )
 from policies import features as feat
-from policies.features import FeatureOverride, Level, OffMode, PolicyView
+from policies.features import REGISTRY, FeatureOverride, Level, OffMode, PolicyView
 from policies.signals import Aggregator, Report, Signals
 from policies.slo import fit_policy
 
@@ -147,6 +147,30 @@ class FeatureClock:
                 "turned_off_window": dict(collections.Counter(edges)),
             }
         return out
+
+
+def policy_view(config: DegradationConfig, level: int, enabled: frozenset[str], version: int = 0,
+                at: float = 0.0) -> PolicyView:
+    """The view of ``config`` at ``level`` with ``enabled`` running: off-modes and defaults
+    from the config."""
+    features = config.features
+    return PolicyView(
+        level=level, enabled=enabled,
+        modes={f: config.off_mode(f) for f in features if config.off_mode(f) is not OffMode.SKIP},
+        defaults={f: config.off_default(f) for f in features if config.off_mode(f) is OffMode.DEFAULT},
+        config_version=version, at=at,
+    )
+
+
+def start_view(config: DegradationConfig | None, level: int) -> PolicyView:
+    """What a replica serves before it has heard from the policy actor: ``config``'s rule at
+    ``level`` with no override (config_version 0, so the first view from the actor replaces it).
+    With no config yet, a level above 0 runs the critical features only: without the policy, the
+    most degraded state is the one that turns every optional feature off."""
+    if config is None:
+        enabled = frozenset(REGISTRY) if level == 0 else frozenset(n for n, s in REGISTRY.items() if s.critical)
+        return PolicyView(level=level, enabled=enabled)
+    return policy_view(config, level, feat.enabled_set(level, config.off_levels(), {}))
 
 
 class PolicyCore:
@@ -380,15 +404,8 @@ class PolicyCore:
     def view(self) -> PolicyView:
         """What request paths need, small and typed: level, enabled features, off-modes, defaults."""
         now = self.clock()
-        features = self.config.features
-        return PolicyView(
-            level=self.state.level,
-            enabled=enabled_features(self.config, self.state, now),
-            modes={f: self.config.off_mode(f) for f in features if self.config.off_mode(f) is not OffMode.SKIP},
-            defaults={f: self.config.off_default(f) for f in features if self.config.off_mode(f) is OffMode.DEFAULT},
-            config_version=self.config_version,
-            at=now,
-        )
+        return policy_view(self.config, self.state.level, enabled_features(self.config, self.state, now),
+                           self.config_version, now)
 
     def get_state(self) -> dict[str, Any]:
         now = self.clock()

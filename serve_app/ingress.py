@@ -53,7 +53,6 @@ from ray import serve
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.metrics import Counter as ServeCounter
-from starlette.background import BackgroundTask
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -61,7 +60,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from deployments.engine import SAMPLING_KEYS
 from deployments.enrichments.base import Enrichment, Outcome, run_calls
-from deployments.enrichments.feature import ANONYMOUS, RequestState
+from deployments.enrichments.feature import ANONYMOUS, DEFERRED_HEADER, RequestState
 from deployments.enrichments.registry import features as feature_impls
 from deployments.enrichments.registry import workers
 from deployments.enrichments.spool import DurableSpool
@@ -70,6 +69,7 @@ from deployments.reporting import ActorLink, PeriodicTask, replica_source, signa
 from deployments.window import SlidingWindow
 from policies.admission import CRITICALITY_HEADER, Criticality
 from policies.config import DegradationConfig, PolicyError, parse_policy
+from policies.service import start_view
 from policies.features import PolicyView
 from policies.shaping import NO_SHAPING, REQUEST_FIELDS, SHAPED_HEADER, TOKEN_CAP_FIELDS, ShapingPlan, shape
 from policies.slo import fit_policy
@@ -137,6 +137,10 @@ class PipelineSettings(BaseModel):
                                          description="a probe not answered by then says nothing (a busy replica)")
     breaker: BreakerSettings = Field(default_factory=BreakerSettings,
                                      description="each feature's circuit breaker (serve_app/breaker.py)")
+    start_level: int = Field(default=3, ge=0, le=3, description="the level a replica serves at until it first "
+                             "hears from the policy actor (3, the most degraded: it cannot know the load yet)")
+    policy_push_retry_s: float = Field(default=2.0, gt=0, description="how often a deployed policy the actor "
+                                       "could not take (down, restarting) is sent again")
 
 
 class OverrideBody(BaseModel):
@@ -457,7 +461,11 @@ class Ingress:
             on_outcome=lambda feature, outcome: outcomes.inc(tags={"feature": feature, "outcome": outcome}),
             breaker=self.settings.breaker,
         )
-        self.view = PolicyView.all_on()
+        # Until the policy actor answers, serve at the start level (the most degraded by default):
+        # a replica started during an outage must not switch every optional feature on.
+        self.view = start_view(None, self.settings.start_level)
+        self._pending_policy: dict[str, Any] | None = None  # a deployed policy the actor has not taken yet
+        self._push_task: asyncio.Task[None] | None = None
         self.view_fetched_at = 0.0
         self.enrichment_handles = handles
         if policy_link is None:
@@ -529,7 +537,7 @@ class Ingress:
             if feature in view.enabled:
                 await self.pipeline.drain(feature)
             else:
-                self.pipeline.spool(feature)  # open it, so records from a previous replica count
+                await self.pipeline.open_spool(feature)  # in a thread: records of a previous replica count
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
         """serve deploy with a new ``user_config``: validate the policy, push it to the actor.
@@ -543,16 +551,39 @@ class Ingress:
         try:
             # validated here too, so a bad one is reported by the replica that was given it;
             # an `slo` section gets the level triggers it implies for this engine's batch
-            fit_policy(parse_policy(doc), self.model_slots)
+            config = fit_policy(parse_policy(doc), self.model_slots)
         except PolicyError as err:
             self.last_policy_error = str(err)
             logger.error("brownout: rejected policy from user_config, running policy kept: %s", err)
             return
-        # origin "deploy": applied only if this document changed since the last deploy, so a
-        # replica restart or scale-up re-sending it does not undo an operator's change
-        result = await self.policy.call("update_config", doc, self.model_slots, "deploy")
+        if self.view_fetched_at == 0.0:  # not heard from the actor yet: the start level of this policy
+            self.view = start_view(config, self.settings.start_level)
+        self._pending_policy = doc
+        await self._push_policy()
+
+    async def _push_policy(self) -> None:
+        """Send the deployed policy to the actor (origin "deploy": applied only if this document
+        changed since the last deploy, so a replica restart or scale-up re-sending it does not undo
+        an operator's change). An actor that is down does not stop the replica from starting: the
+        push is retried every ``policy_push_retry_s`` until the actor takes it."""
+        doc = self._pending_policy
+        if doc is None:
+            return
+        try:
+            result = await self.policy.call("update_config", doc, self.model_slots, "deploy")
+        except Exception as err:  # noqa: BLE001 - the actor is down or restarting: retry, keep serving
+            self.last_policy_error = f"policy actor unavailable, deployed policy not pushed yet: {type(err).__name__}"
+            if self._push_task is None or self._push_task.done():
+                self._push_task = asyncio.get_running_loop().create_task(self._retry_push())
+            return
+        self._pending_policy = None
         self.last_policy_error = None if result.get("ok") else result.get("error")
         logger.info("brownout: policy from user_config: %s", result)
+
+    async def _retry_push(self) -> None:
+        while self._pending_policy is not None:
+            await asyncio.sleep(self.settings.policy_push_retry_s)
+            await self._push_policy()
 
     def _apply_policy(self, config: DegradationConfig) -> None:
         """The parts of the policy the ingress enforces itself, per request: admission, shaping."""
@@ -671,23 +702,20 @@ class Ingress:
             self.gate.release(ticket, served=True)
 
         if stream:
-            self.pipeline.plan_side_effects(ctx)
+            self.pipeline.decide_side_effects(ctx)  # discloses the skipped ones; promises nothing
             body = self._sse(ctx, ticket, gen, rid, chat, include_usage, echo_prefix, on_stream_end)
             return StreamingResponse(body, media_type="text/event-stream", headers=ctx.headers())
 
         ctx.text = result.text
         await self.pipeline.post(ctx)
-        self.pipeline.plan_side_effects(ctx)
+        self.pipeline.decide_side_effects(ctx)
         record = ctx.record(result.finish_reason, usage(result.prompt_tokens, result.completion_tokens))
+        # durable before promised: the deferred records are on disk before the headers name them
+        await self.pipeline.settle(ctx, record)
         build = chat_completion if chat else text_completion
         doc = build(rid, self.served_model_name, echo_prefix + ctx.text, result.finish_reason,
                     result.prompt_tokens, result.completion_tokens)
-        return JSONResponse(doc, headers=ctx.headers(),
-                            background=BackgroundTask(self._after_response, ctx, record))
-
-    async def _after_response(self, ctx: RequestState, record: dict[str, Any]) -> None:
-        # async, so Starlette runs it on the event loop (a sync callable would go to a thread)
-        self.pipeline.side_effects(ctx, record)
+        return JSONResponse(doc, headers=ctx.headers())
 
     async def _model_call(self, awaitable: Any) -> Any:
         """`_model_call`, with a computed Retry-After on the model's own 503s (a late drop); what
@@ -720,6 +748,7 @@ class Ingress:
 
         def ended() -> None:
             release(False)  # no-op when the body released it already
+            self.pipeline.abandon(ctx, "client_dropped")  # no-op when the stream settled
             on_end()
 
         return _ReleasingStream(self._sse_body(ctx, gen, rid, chat, include_usage, echo_prefix, release), ended)
@@ -753,21 +782,29 @@ class Ingress:
                     finish, prompt_tokens, completion_tokens = (delta.finish_reason, delta.prompt_tokens,
                                                                 delta.completion_tokens)
                     parts.append(delta.text)
+                    ctx.text = "".join(parts)  # what a dropped stream's audit record holds
                     yield chunk(delta.text, delta.finish_reason)
                 release(True)  # the model is done with it: a completion that measures its rate
         except Exception as err:  # noqa: BLE001 - headers are sent; report in-band, then end the stream
             release(False)
             logger.warning("stream %s failed: %s", rid, type(err).__name__)  # no request text in logs
-            yield sse(self._failed(err).body())
+            failure = self._failed(err)
+            ctx.text = "".join(parts)
+            await self.pipeline.settle_outcome(ctx, "failed", failure.status)
+            yield sse(failure.body())
             yield SSE_DONE
             return
         if include_usage:
             doc = (chat_chunk(rid, model, created, {}) if chat else text_chunk(rid, model, created, ""))
             yield sse({**doc, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+        ctx.text = "".join(parts)
+        # durable before promised: a stream's headers are gone, so its deferrals are named here,
+        # once on disk, in an SSE comment line before [DONE] (clients ignore comments)
+        deferred = await self.pipeline.settle(ctx, ctx.record(finish, usage(prompt_tokens, completion_tokens)))
+        if deferred:
+            yield f": {DEFERRED_HEADER}: {','.join(deferred)}\n\n".encode()
         yield SSE_DONE
         self.latency_ms.add((time.monotonic() - ctx.started) * 1000.0)
-        ctx.text = "".join(parts)
-        self.pipeline.side_effects(ctx, ctx.record(finish, usage(prompt_tokens, completion_tokens)))
 
     async def _handle(self, request: Request, chat: bool) -> Response:
         """Validate, shape, admit (or refuse at once), then serve.
@@ -792,6 +829,7 @@ class Ingress:
 
         streaming = False
         ticket: Ticket | None = None
+        ctx: RequestState | None = None
         try:
             key = self._authenticate(request)
             tenant = key.tenant if key is not None else ANONYMOUS
@@ -826,15 +864,21 @@ class Ingress:
         except RequestError as err:
             if ticket is not None:
                 self.gate.release(ticket, served=False)
+            if ctx is not None:  # audited once, with its outcome (refused at the door, or failed after it)
+                self.pipeline.abandon(ctx, "failed" if ticket is not None else "refused", err.status)
             return err.response({LEVEL_HEADER: str(int(self.view.level))})
         except Exception as err:  # noqa: BLE001 - infrastructure (503) or our bug (500): JSON either way
             if ticket is not None:
                 self.gate.release(ticket, served=False)
             mapped = self._failed(err)
+            if ctx is not None:
+                self.pipeline.abandon(ctx, "failed", mapped.status)
             return mapped.response({LEVEL_HEADER: str(int(self.view.level))})
         except BaseException:
             if ticket is not None:
                 self.gate.release(ticket, served=False)
+            if ctx is not None:
+                self.pipeline.abandon(ctx, "client_dropped")
             raise
         finally:
             if not streaming:
@@ -907,6 +951,7 @@ class Ingress:
             "snapshot_level": int(self.view.level), "snapshot_age_s": time.time() - self.view_fetched_at,
             "config_version": self.view.config_version,
             "pipeline": self.pipeline.counters(), "policy_link_failures": self.policy.failures,
+            "policy_link": self.policy.state() if hasattr(self.policy, "state") else None,
             "last_policy_error": self.last_policy_error, "inflight": self.inflight, "pid": os.getpid(),
             "admission": self.gate.state(),
             "largest_refused_body_read": self.largest_refused_read,
@@ -959,6 +1004,6 @@ class Ingress:
         for task in getattr(self, "tasks", []):
             await task.stop()
         if hasattr(self, "pipeline"):
-            await self.pipeline.wait_idle()
+            await self.pipeline.close()
         for worker in getattr(self, "local", {}).values():
             await worker.close()

@@ -38,8 +38,6 @@ notice) before it is appended and fsync'd:
   stream's final event, before ``[DONE]``. A record that cannot be spooled (``spool_full``, a
   write error) is not promised: it is listed as bypassed (when headers are still to come) and
   counted in ``not_spooled``.
-- `plan_side_effects` / `side_effects` are the LEGACY pair (promise in the headers, append in
-  the background); they remain only until the ingress calls `settle`.
 
 Exactly once. A request's record goes to its side effects once (``ctx.settled``): `settle` for a
 whole answer, `settle_outcome` / `abandon` for a request that reached the model but ``failed``,
@@ -240,13 +238,6 @@ class Pipeline:
             else:
                 self._skip(ctx, f)
 
-    def plan_side_effects(self, ctx: RequestState) -> None:
-        """LEGACY (the ingress before `settle`): like `decide_side_effects`, but names the planned
-        deferrals in ``ctx.deferred`` at once, before they are durable. Kept only until the
-        ingress calls `settle` before building its response; see the module docstring."""
-        self.decide_side_effects(ctx)
-        ctx.deferred.extend(f for f in ctx.planned if f not in ctx.deferred)
-
     async def settle(self, ctx: RequestState, record: Mapping[str, Any]) -> list[str]:
         """Hand a finished request's record to its side effects, exactly once per request.
 
@@ -335,25 +326,6 @@ class Pipeline:
                     self._on_outcome(f.name, "shed")
             return
         self._spawn(self.settle_outcome(ctx, outcome, status))
-
-    def side_effects(self, ctx: RequestState, record: dict[str, Any]) -> None:
-        """LEGACY: `settle` in the background (the response is already out). Bounded: when
-        `max_background` tasks are outstanding, a deferrable record is queued straight to its
-        spool's group commit (no task of its own) and the others are shed, counted."""
-        if ctx.settled:
-            return
-        if len(self._background) < self.max_background:
-            self._spawn(self.settle(ctx, record))
-            return
-        ctx.settled = True
-        self.decide_side_effects(ctx)
-        for f in self._side_features(str(record.get("outcome", "ok"))):
-            if (f.name in ctx.planned or f.name in ctx.view.enabled) and self._deferrable(ctx, f) \
-                    and f.name in self.spools:
-                self._submit_nowait(f.name, self._prepare(f, record))
-            elif f.name in ctx.view.enabled or f.name in ctx.planned:
-                self.shed[f.name] += 1
-                self._on_outcome(f.name, "shed")
 
     def _spawn(self, coro: Awaitable[Any]) -> None:
         task = asyncio.get_running_loop().create_task(self._guarded(coro))

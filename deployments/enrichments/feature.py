@@ -46,6 +46,10 @@ from pydantic import BaseModel, ValidationError
 from deployments.enrichments.base import Enrichment
 from policies.features import REGISTRY, FeatureSpec, PolicyView, Stage
 
+# Names the side effects deferred to a durable spool (a header, or for a stream an SSE comment
+# line before [DONE]); only ever once the record is on disk (serve_app.pipeline.settle).
+DEFERRED_HEADER = "X-Brownout-Deferred"
+
 
 ANONYMOUS = "anonymous"  # the tenant of every request when API keys are disabled by config
 
@@ -96,7 +100,7 @@ class RequestState:
         return {
             "X-Brownout-Level": str(int(self.view.level)),
             "X-Brownout-Bypassed": ",".join(self.bypassed + [f for f in self.failed if f not in self.bypassed]),
-            **({"X-Brownout-Deferred": ",".join(self.deferred)} if self.deferred else {}),
+            **({DEFERRED_HEADER: ",".join(self.deferred)} if self.deferred else {}),
             **self.headers_out,
         }
 

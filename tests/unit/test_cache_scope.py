@@ -64,8 +64,8 @@ class Harness:
                 req.text, finish_as, (prompt_tokens, completion_tokens) = answer, finish, usage
             else:  # the cache answered: the ingress reports what the hit set
                 req.text, finish_as, (prompt_tokens, completion_tokens) = req.answer, req.answer_finish, req.answer_usage
-            self.pipeline.plan_side_effects(req)
-            self.pipeline.side_effects(req, req.record(finish_as, {
+            self.pipeline.decide_side_effects(req)
+            await self.pipeline.settle(req, req.record(finish_as, {
                 "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens}))
             await self.pipeline.wait_idle()

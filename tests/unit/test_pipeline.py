@@ -48,8 +48,8 @@ def whole_request(p: Pipeline, c: RequestState, answer: str = "answer") -> None:
         await p.pre(c)
         c.text = answer
         await p.post(c)
-        p.plan_side_effects(c)
-        p.side_effects(c, c.record("stop", {"prompt_tokens": 1, "completion_tokens": 1}))
+        p.decide_side_effects(c)
+        await p.settle(c, c.record("stop", {"prompt_tokens": 1, "completion_tokens": 1}))
         await p.wait_idle()
 
     run(go())
@@ -187,16 +187,17 @@ def test_deferred_audit_records_come_out_in_order_when_allowed(tmp_path: Path) -
         for i in range(25):
             c = ctx(off)
             c.request_id = f"r{i}"
-            p.plan_side_effects(c)
-            assert c.deferred == ["audit_log"] and "audit_log" not in c.bypassed
-            p.side_effects(c, c.record("stop", {}))
+            p.decide_side_effects(c)
+            assert c.deferred == [] and "audit_log" not in c.bypassed  # nothing promised before the fsync
+            await p.settle(c, c.record("stop", {}))
+            assert c.deferred == ["audit_log"]
             await p.wait_idle()
         assert stages.calls["audit_log"] == 0 and p.pending("audit_log") == 25
         # level drops: a new record queues behind the spooled ones, then all drain in order
         c = ctx(on)
         c.request_id = "r25"
-        p.plan_side_effects(c)
-        p.side_effects(c, c.record("stop", {}))
+        p.decide_side_effects(c)
+        await p.settle(c, c.record("stop", {}))
         await p.wait_idle()
         await p.drain("audit_log")
 

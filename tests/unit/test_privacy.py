@@ -136,8 +136,8 @@ def whole_request(p: Pipeline, c: RequestState) -> None:
         await p.pre(c)
         c.text = f"the answer to {SECRET_PROMPT}"
         await p.post(c)
-        p.plan_side_effects(c)
-        p.side_effects(c, c.record("stop", {"prompt_tokens": 3, "completion_tokens": 2}))
+        p.decide_side_effects(c)
+        await p.settle(c, c.record("stop", {"prompt_tokens": 3, "completion_tokens": 2}))
         await p.wait_idle()
 
     run(go())

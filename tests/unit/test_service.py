@@ -172,3 +172,20 @@ def test_slo_policy_without_a_known_batch_is_kept_as_written() -> None:
     c = core(FakeClock())
     c.update_config({**POLICY, "slo": {"e2e_p99_ms": 2000}})
     assert "model_queued" not in c.config.level1.trigger
+
+
+def test_a_replica_that_has_not_heard_from_the_actor_serves_at_its_start_level() -> None:
+    from policies.features import REGISTRY
+    from policies.service import start_view
+
+    critical = {n for n, s in REGISTRY.items() if s.critical}
+    assert start_view(None, 3).enabled == critical and int(start_view(None, 3).level) == 3
+    assert start_view(None, 0).enabled == frozenset(REGISTRY)
+    config = parse_policy({"degradation": {"level1": {"trigger": {"inflight": 10}, "disable": ["ab_test"]},
+                                           "level3": {"trigger": {"inflight": 30},
+                                                      "disable": ["audit_log", "semantic_cache_lookup"]},
+                                           "features": {"audit_log": {"mode": "defer"}}}})
+    v = start_view(config, 3)
+    assert "ab_test" not in v.enabled and "audit_log" not in v.enabled and "semantic_cache_lookup" not in v.enabled
+    assert critical <= v.enabled and v.config_version == 0 and v.mode("audit_log").value == "defer"
+    assert "ab_test" in start_view(config, 0).enabled
