@@ -12,6 +12,8 @@ client sends).
 
 from __future__ import annotations
 
+import copy
+
 import json
 from typing import Any
 
@@ -64,7 +66,7 @@ def _mutate(draw: Any, doc: dict[str, Any]) -> str:
                                  "huge_stop", "nested_wrong"]))
     field = draw(st.sampled_from(FIELDS))
     if kind == "wrong_type":
-        doc[field] = draw(st.sampled_from(WRONG_TYPES))
+        doc[field] = copy.deepcopy(draw(st.sampled_from(WRONG_TYPES)))  # shared values would make cycles
     elif kind == "extreme":
         doc[field] = draw(st.sampled_from(EXTREME_NUMBERS))
     elif kind == "deep":
@@ -94,7 +96,7 @@ def _mutate(draw: Any, doc: dict[str, Any]) -> str:
     else:  # a wrong type one level down: inside a message or a stream_options
         paths = [p for p in _paths(doc) if len(p) >= 2]
         if paths:
-            _set(doc, draw(st.sampled_from(paths)), draw(st.sampled_from(WRONG_TYPES + EXTREME_NUMBERS)))
+            _set(doc, draw(st.sampled_from(paths)), copy.deepcopy(draw(st.sampled_from(WRONG_TYPES + EXTREME_NUMBERS))))
     return kind
 
 
