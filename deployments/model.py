@@ -231,8 +231,10 @@ class VLLMModel:
             out["gpu_util"] = out["gpu_mem_ratio"] = None
         return out
 
-    def stats(self) -> dict[str, Any]:
-        """Engine statistics and the GPU reading, as one plain dict."""
+    async def stats(self) -> dict[str, Any]:
+        """Engine statistics and the GPU reading, as one plain dict. Async on purpose: Serve runs a
+        sync method in a thread pool, where it would read windows the event loop is writing; an
+        async one runs on the replica's event loop, between the writes."""
         gpu = self.gpu.read()
         return {
             "pid": os.getpid(),

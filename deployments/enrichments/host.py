@@ -65,7 +65,9 @@ class EnrichmentHost:
             out.update(e.counters())
         return out
 
-    def stats(self) -> dict[str, Any]:
+    async def stats(self) -> dict[str, Any]:
+        """Async on purpose: Serve runs a sync method in a thread pool, where it would read the
+        counters and windows the event loop is writing; an async one runs on the event loop."""
         return {
             "pid": os.getpid(),
             "counters": self.counters(),
