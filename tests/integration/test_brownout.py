@@ -485,6 +485,17 @@ def test_burst_escalates_fast_and_recovers_one_step_per_dwell(deployed: Cluster,
     doc["level3"]["trigger"] = {"engine_p95_latency_ms": 1e9}
     doc["level3"]["recover"] = {"engine_p95_latency_ms": 1e8}
     assert deployed.serve_deploy(config, "burst.yaml").returncode == 0
+    try:
+        _burst_escalates_and_recovers(deployed, http, actor, dwell_s)
+    finally:  # the tests after this one get the shipped policy (admission on) back
+        assert deployed.serve_deploy(deployed.config(), "restored-after-burst.yaml").returncode == 0
+        _policy_applied(actor, 0.85)
+        wait_running()
+
+
+def _burst_escalates_and_recovers(deployed: Cluster, http: httpx.Client, actor: Any, dwell_s: float) -> None:
+    import ray
+
     deadline = time.monotonic() + 20
     while ray.get(actor.get_config.remote())["config"]["level1"]["trigger"] != {"queue_length": 4.0}:
         assert time.monotonic() < deadline
