@@ -53,6 +53,7 @@ from ray import serve
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.metrics import Counter as ServeCounter
+from ray.serve.metrics import Gauge as ServeGauge
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -153,6 +154,8 @@ class OverrideBody(BaseModel):
     ttl_s: float = Field(gt=0, allow_inf_nan=False, description="seconds; at most auth.max_override_ttl_s")
     note: str = Field(default="", max_length=500)
 
+
+CIRCUIT_STATE_VALUE = {"closed": 0, "half_open": 1, "open": 2}  # brownout_circuit_state
 
 api = FastAPI(title="Brownout", description="OpenAI-compatible LLM serving with graceful degradation")
 
@@ -483,6 +486,8 @@ class Ingress:
         self.shaping: ShapingPlan = NO_SHAPING
         self.policy_version = -1  # the actor's config_version that admission and shaping follow
         self.model_health = ModelHealth()
+        self._circuit_gauge = ServeGauge("brownout_circuit_state", "Circuit breaker per feature: 0 closed, "
+                                         "1 half-open, 2 open", tag_keys=("feature",))
         _level_source.append(lambda: int(self.view.level))  # the error backstop's level header
         self.tasks = [
             PeriodicTask("refresh-level", self._refresh, self.settings.refresh_s),
@@ -509,6 +514,7 @@ class Ingress:
         self.gate.set_level(int(view.level))  # admission uses the service model measured at this level
 
     def _signals(self) -> dict[str, float]:
+        self._export_circuits()
         out: dict[str, float] = {"inflight": self.inflight, **self.gate.signals()}
         p95, mean = self.latency_ms.percentile(95), self.latency_ms.mean()
         if p95 is not None:
@@ -516,6 +522,11 @@ class Ingress:
         if mean is not None:
             out["avg_latency_ms"] = mean
         return out
+
+    def _export_circuits(self) -> None:
+        """Each feature's circuit state as a metric (0 closed, 1 half-open, 2 open), every report tick."""
+        for name, breaker in self.pipeline.breakers.items():
+            self._circuit_gauge.set(CIRCUIT_STATE_VALUE[breaker.state.value], tags={"feature": name})
 
     async def _probe_model(self) -> None:
         """Ask a model replica for its engine's health (`ModelHealth`). No answer in time (a busy

@@ -91,6 +91,12 @@ def test_pinned_level_shows_in_the_gauge_and_bypass_counters_rise_for_exactly_it
         admin(http, "DELETE", params={"level": "true"})
 
 
+def policy_features(deployed: Cluster) -> set[str]:
+    """The optional features the shipped policy names (each has a circuit breaker)."""
+    policy = parse_policy(ingress_deployment(deployed.config())["user_config"]["policy"])
+    return set(policy.features)
+
+
 def refuse_some_admission(deployed: Cluster, http: httpx.Client) -> None:
     """Concurrent sheddable requests until the door refuses one (429/503): sheddable work may
     use 75% of the SLO, which on this machine a few requests in flight exceed."""
@@ -141,6 +147,9 @@ def test_every_metric_the_dashboard_queries_is_exported(deployed: Cluster, http:
     # and they carry what the dashboard's legends name
     assert total(samples, "ray_brownout_feature_turned_off_total", feature="ab_test", cause="override") >= 1
     assert total(samples, "ray_brownout_report_errors_total", reason="rejected") >= 1
+    # every feature's circuit is exported, closed here (0)
+    circuits = by_feature(samples, "ray_brownout_circuit_state")
+    assert set(circuits) >= {f for f in policy_features(deployed)} and set(circuits.values()) == {0.0}, circuits
     assert {t["bound"] for t, _ in samples["ray_brownout_signal_threshold"]} == {"trigger", "recover"}
     assert total(samples, "ray_brownout_slo_ms", objective="e2e_p99") > 0
     assert any(t.get("from") and t.get("to") for t, _ in samples["ray_brownout_level_transitions_total"])
