@@ -122,6 +122,9 @@ def test_every_metric_the_dashboard_queries_is_exported(deployed: Cluster, http:
     bad_key = httpx.post(deployed.base_url + CHAT, json={"model": MODEL, "messages": []},
                          headers={"Authorization": "Bearer not-a-key"}, timeout=30)
     assert bad_key.status_code == 401
+    # from level 0 (earlier tests may leave the level raised, ab_test already off by it)
+    admin(http, "POST", json={"level": 0, "ttl_s": 30, "note": "metrics test"})
+    wait_level(http, 0)
     admin(http, "POST", json={"feature": "ab_test", "enabled": False, "ttl_s": 30})
     # one policy tick with the override alone in force, so the turn-off is counted as the
     # override's (pinning level 1 first would turn ab_test off by the level)
