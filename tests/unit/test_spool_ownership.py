@@ -63,9 +63,13 @@ def _adopter(directory: str, name: str, out: str, start: Any) -> None:
     spool.close()
 
 
-def run_procs(procs: list[Any]) -> None:
+def run_procs(procs: list[Any], go: Any = None) -> None:
+    """Start the processes, release them together with ``go`` (an Event) if given, and wait for
+    each to succeed."""
     for p in procs:
         p.start()
+    if go is not None:
+        go.set()
     for p in procs:
         p.join(30)
         assert p.exitcode == 0, p.exitcode
@@ -75,14 +79,8 @@ def test_two_live_writers_on_one_name_never_share_a_file(tmp_path: Path) -> None
     """Two replicas racing with the same rank-based name: each writes its own file, nothing is
     lost, nothing is duplicated, each writer's order is kept."""
     start = CTX.Event()
-    procs = [CTX.Process(target=_writer, args=(str(tmp_path), "audit_log-ingress0", who, 300, start, False))
-             for who in ("a", "b")]
-    for p in procs:
-        p.start()
-    start.set()
-    for p in procs:
-        p.join(30)
-        assert p.exitcode == 0
+    run_procs([CTX.Process(target=_writer, args=(str(tmp_path), "audit_log-ingress0", who, 300, start, False))
+              for who in ("a", "b")], start)
     files = sorted(p.name for p in tmp_path.glob("*.spool"))
     # if they overlapped in time, the second owner wrote a file of its own
     assert files[0] == "audit_log-ingress0.spool" and len(files) in (1, 2)
@@ -164,14 +162,8 @@ def test_two_adopters_racing_deliver_each_orphaned_record_once(tmp_path: Path) -
                for r in range(4)])
     go = CTX.Event()
     outs = [tmp_path / f"out{i}.json" for i in range(2)]
-    procs = [CTX.Process(target=_adopter, args=(str(tmp_path / "."), f"audit_log-new{i}", str(outs[i]), go))
-             for i in range(2)]
-    for p in procs:
-        p.start()
-    go.set()
-    for p in procs:
-        p.join(30)
-        assert p.exitcode == 0
+    run_procs([CTX.Process(target=_adopter, args=(str(tmp_path / "."), f"audit_log-new{i}", str(outs[i]), go))
+              for i in range(2)], go)
     got = [r for o in outs for r in json.loads(o.read_text())]
     assert sorted((r["who"], r["i"]) for r in got) == sorted((f"r{r}", i) for r in range(4) for i in range(40))
     assert not list(tmp_path.glob("audit_log-ingress*"))
