@@ -214,6 +214,18 @@ def enrichment_counters(http: httpx.Client) -> dict[str, int]:
     return out
 
 
+def kill_replica(deployment: str) -> int:
+    """Kill one replica of ``deployment`` (no restart of that actor: Serve starts a new replica);
+    returns how many replicas it had."""
+    import ray
+
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].startswith(f"SERVE_REPLICA::{APP}#{deployment}#")]
+    assert names, f"no {deployment} replica"
+    ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
+    return len(names)
+
+
 def policy_actor():  # type: ignore[no-untyped-def]
     from policies.actor import get_policy_actor
 

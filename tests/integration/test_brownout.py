@@ -24,6 +24,7 @@ from tests.integration.conftest import (
     enrichment_counters,
     enrichment_stats,
     ingress_deployment,
+    kill_replica,
     model_stats,
     policy_actor,
     wait_running,
@@ -277,12 +278,8 @@ def test_deferred_audit_records_all_arrive_once_the_level_drops(deployed: Cluste
 
 def restart_ingress(http: httpx.Client) -> None:
     """Kill the ingress replica; return once the one Serve starts in its place answers."""
-    import ray
-
     old_pid = admin(http, "GET", "/admin/brownout")["ingress"]["pid"]
-    (name,) = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-               if a["name"].startswith("SERVE_REPLICA::brownout#Ingress#")]
-    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)  # Serve starts a new one
+    assert kill_replica("Ingress") == 1  # the only one; Serve starts a new one
     deadline = time.monotonic() + 60
     while True:
         try:

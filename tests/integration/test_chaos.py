@@ -37,7 +37,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.conftest import APP, Cluster, policy_actor
+from tests.integration.conftest import Cluster, kill_replica, policy_actor
 
 RUNS = int(os.environ.get("BROWNOUT_CHAOS_RUNS", "1"))
 
@@ -136,15 +136,6 @@ def _judge_whole(r: httpx.Response, text: str) -> tuple[str, str]:
     return "failed", f"{r.status_code} {text[:200]}"
 
 
-def _kill_replica(deployment: str) -> None:
-    import ray
-
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["name"].startswith(f"SERVE_REPLICA::{APP}#{deployment}#")]
-    assert names, f"no {deployment} replica"
-    ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)  # Serve starts a new one
-
-
 def _kill_policy_actor() -> None:
     import ray
 
@@ -197,10 +188,10 @@ def test_chaos_under_load_loses_no_request_and_no_record(deployed: Cluster, http
         faults.append((time.monotonic() - t0, what))
 
     at(10, "policy actor", _kill_policy_actor)
-    at(25, "AuditLog replica", lambda: _kill_replica("AuditLog"))
+    at(25, "AuditLog replica", lambda: kill_replica("AuditLog"))
     at(40, "policy actor", _kill_policy_actor)
     model_killed = time.monotonic()
-    at(55, "VLLMModel replica", lambda: _kill_replica("VLLMModel"))
+    at(55, "VLLMModel replica", lambda: kill_replica("VLLMModel"))
     in_flight_at_kill = sum(1 for o in load.outcomes if o.sent_at <= model_killed and o.ended_at is None)
     load.join(timeout_s=300)
     back_s = _wait_serving(http)
