@@ -757,17 +757,21 @@ class Ingress:
         def release(served: bool) -> None:
             self.gate.release(ticket, served)
 
+        parts: list[str] = []  # the text sent so far: what a dropped stream's audit record holds
+
         def ended() -> None:
             release(False)  # no-op when the body released it already
-            self.pipeline.abandon(ctx, "client_dropped")  # no-op when the stream settled
+            if not ctx.settled:
+                ctx.text = "".join(parts)
+                self.pipeline.abandon(ctx, "client_dropped")
             on_end()
 
-        return _ReleasingStream(self._sse_body(ctx, gen, rid, chat, include_usage, echo_prefix, release), ended)
+        return _ReleasingStream(self._sse_body(ctx, gen, rid, chat, include_usage, echo_prefix, release, parts),
+                                ended)
 
     async def _sse_body(self, ctx: RequestState, gen: Any, rid: str, chat: bool, include_usage: bool,
-                        echo_prefix: str, release: Callable[[bool], None]) -> AsyncIterator[bytes]:
+                        echo_prefix: str, release: Callable[[bool], None], parts: list[str]) -> AsyncIterator[bytes]:
         created, model = int(time.time()), self.served_model_name
-        parts: list[str] = []
         finish: str | None = "stop"
         prompt_tokens = completion_tokens = 0
 
@@ -793,7 +797,6 @@ class Ingress:
                     finish, prompt_tokens, completion_tokens = (delta.finish_reason, delta.prompt_tokens,
                                                                 delta.completion_tokens)
                     parts.append(delta.text)
-                    ctx.text = "".join(parts)  # what a dropped stream's audit record holds
                     yield chunk(delta.text, delta.finish_reason)
                 release(True)  # the model is done with it: a completion that measures its rate
         except Exception as err:  # noqa: BLE001 - headers are sent; report in-band, then end the stream
