@@ -57,6 +57,17 @@ The rule, and why:
 - **Each level has its own model** (`AdmissionController.set_level`). Optional work takes the
   same CPU as the model and shaping shortens answers, so capacity differs by level; on a level
   change the level's own measurements apply at once.
+- **Refusing is a signal for the level, and the earliest one.** Admission keeps what is in flight
+  under the SLO by refusing, so past capacity the in-flight count and ``predicted_wait_ms`` stop
+  growing exactly when demand keeps growing: a policy that watched only them would refuse core
+  traffic while optional features still ran (measured: with reservation, a 0.5x -> 3x step
+  raised level 1 only after 7 s). So the controller also reports ``refused_ratio``, the share of
+  the requests it decided on over the last ``refusal_window_s`` that it refused for capacity
+  (`RefusalWindow`). The first refusal is the moment demand exceeds what the level in force can
+  serve within the SLO; the derived policy (`policies.slo`) raises the level on it, so optional
+  work is switched off before more core traffic is refused, and holds the level until the
+  window has been free of refusals for the recover dwell. With nothing arriving the ratio is
+  0, so a level raised on it always recovers when the load is gone.
 
 Why not Netflix Gradient2/Vegas alone: they steer a concurrency limit from the ratio of a
 long-term (or minimum) RTT to the current one, which needs a stable no-load latency. An LLM
@@ -85,11 +96,13 @@ Wiring (the ingress)::
     # on reconfigure(): admission.update(policy.slo, policy.admission or AdmissionConfig())
     # the model deployment, before the engine starts a request:
     if should_drop(d.deadline_at, time.time()): ...            # abort, answer 503
-    # every report tick: admission.signals(in_flight) -> predicted_wait_ms, model_queued
+    # every report tick: admission.signals(in_flight, time.time())
+    #                    -> predicted_wait_ms, model_queued, refused_ratio
 """
 
 from __future__ import annotations
 
+import collections
 import enum
 import math
 from dataclasses import dataclass
@@ -327,6 +340,50 @@ class ArrivalRate:
         return self._count / self.tau_s
 
 
+class RefusalWindow:
+    """The share of door decisions that refused, over the last ``window_s`` seconds.
+
+    Counted in ``BINS`` bins of ``window_s / BINS`` each, so memory stays constant whatever the
+    request rate; a bin leaves the window whole, so the window spans ``window_s`` to one bin more.
+    ``ratio`` is 0 when nothing was decided in the window (no load: nothing to hold a level up).
+    """
+
+    BINS = 20
+    __slots__ = ("window_s", "_bins")
+
+    def __init__(self, window_s: float) -> None:
+        if not window_s > 0:
+            raise ValueError(f"window_s must be > 0, got {window_s!r}")
+        self.window_s = float(window_s)
+        self._bins: collections.deque[list[int]] = collections.deque()  # [bin index, decided, refused]
+
+    def _index(self, now: float) -> int:
+        return math.floor(now * self.BINS / self.window_s)
+
+    def _trim(self, now: float) -> None:
+        oldest = self._index(now) - self.BINS  # the newest (partial) bin and BINS whole ones
+        while self._bins and self._bins[0][0] < oldest:
+            self._bins.popleft()
+
+    def add(self, now: float, refused: bool) -> None:
+        i = self._index(now)
+        if not self._bins or self._bins[-1][0] < i:
+            self._bins.append([i, 0, 0])
+        last = self._bins[-1]  # a late (out-of-order) timestamp counts in the newest bin
+        last[1] += 1
+        last[2] += int(refused)
+        self._trim(now)
+
+    def counts(self, now: float) -> tuple[int, int]:
+        """``(decided, refused)`` within the window at ``now``."""
+        self._trim(now)
+        return sum(b[1] for b in self._bins), sum(b[2] for b in self._bins)
+
+    def ratio(self, now: float) -> float:
+        decided, refused = self.counts(now)
+        return refused / decided if decided else 0.0
+
+
 def poisson_quantile(mean: float, q: float) -> int:
     """The smallest ``k`` with ``P(Poisson(mean) <= k) >= q`` (0 for ``q`` <= 0 or ``mean`` <= 0)."""
     if q <= 0.0 or mean <= 0.0:
@@ -352,6 +409,7 @@ class AdmissionController:
         self._models: dict[int, ServiceModel] = {0: self._prior(slo, settings)}
         self._caps: tuple[int, ...] = ()
         self._arrivals = tuple(ArrivalRate(settings.reserve_window_s) for _ in Criticality)
+        self._refusals = RefusalWindow(settings.refusal_window_s)
         self._recompute()
 
     def _prior(self, slo: SloConfig, settings: AdmissionConfig) -> ServiceModel:
@@ -379,6 +437,8 @@ class AdmissionController:
             model.alpha = settings.rate_alpha
         for arrivals in self._arrivals:
             arrivals.tau_s = settings.reserve_window_s
+        if settings.refusal_window_s != self._refusals.window_s:
+            self._refusals = RefusalWindow(settings.refusal_window_s)
         self._recompute()
 
     def set_level(self, level: int) -> bool:
@@ -446,8 +506,10 @@ class AdmissionController:
         cap = self.class_cap(criticality, now)
         predicted = self.predicted_e2e_s(ahead)
         if ahead < cap:
+            self._refusals.add(now, refused=False)
             return Decision(True, criticality, "admitted", 200, predicted, cap,
                             deadline_at=now + self.e2e_s)
+        self._refusals.add(now, refused=True)
         reason: Reason = "saturated" if ahead >= self._caps[0] else "class_share_exhausted"
         return Decision(False, criticality, reason, STATUS[reason], predicted, cap,
                         retry_after_s=self._retry_after(ahead, cap))
@@ -519,7 +581,7 @@ class AdmissionController:
         """Seconds for ``in_flight`` requests to drain at the saturation rate."""
         return in_flight * self.model.per_request_s
 
-    def signals(self, in_flight: int) -> dict[str, float]:
+    def signals(self, in_flight: int, now: float) -> dict[str, float]:
         """This replica's early signals for the policy actor (names from policies.config.SIGNALS).
 
         ``predicted_wait_ms``: the queueing delay a request arriving now would see
@@ -530,6 +592,9 @@ class AdmissionController:
         queueing has used that fraction of the room. Where one request alone takes little of the
         SLO it is the plain queueing delay. It is 0 when nothing is in flight, so a level raised
         on it can always recover when the load is gone.
+
+        ``refused_ratio``: the share of this replica's door decisions over the last
+        ``refusal_window_s`` that refused for capacity (see the module docstring).
         """
         model = self.model
         room_s = max(self.e2e_s - model.base_s, 0.05 * self.e2e_s)
@@ -537,6 +602,7 @@ class AdmissionController:
         return {
             "predicted_wait_ms": round(wait_s * 1000.0, 1),
             "model_queued": float(max(0, in_flight - self.slots)),
+            "refused_ratio": round(self._refusals.ratio(now), 4),
         }
 
 
@@ -581,6 +647,7 @@ __all__ = [
     "Criticality",
     "Decision",
     "ServiceModel",
+    "RefusalWindow",
     "ShareClock",
     "STATUS",
     "classify",

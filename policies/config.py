@@ -74,6 +74,10 @@ SIGNAL_AGGREGATION: Mapping[str, Literal["sum", "max"]] = {
     "predicted_wait_ms": "max",  # the ingress admission controller's predicted queueing delay:
     #                              the service model's per-request time x requests in flight,
     #                              scaled so it reaches the SLO when a new request would miss it
+    "refused_ratio": "max",  # 0-1, share of requests an ingress refused at the door for capacity
+    #                          (429/503) over admission.refusal_window_s: demand beyond what
+    #                          the level in force serves, which in-flight counts cannot show
+    #                          (admission keeps them under the SLO by refusing)
 }
 SIGNALS: tuple[str, ...] = tuple(SIGNAL_AGGREGATION)
 
@@ -335,6 +339,11 @@ class AdmissionConfig(_Strict):
         default=10.0, gt=0.0, le=600.0, allow_inf_nan=False,
         description="time constant of each class's measured arrival rate (requests offered, "
         "admitted or refused)",
+    )
+    refusal_window_s: float = Field(
+        default=5.0, gt=0.0, le=300.0, allow_inf_nan=False,
+        description="the refused_ratio signal is the share of requests refused at the door for "
+        "capacity over the last this-many seconds",
     )
     min_retry_after_s: int = Field(default=1, ge=1, le=3600)
     max_retry_after_s: int = Field(default=30, ge=1, le=3600)

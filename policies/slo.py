@@ -11,16 +11,17 @@ The rule, and why:
   controller's predicted queueing delay (`policies.admission`) move as soon as work piles up.
   So every level triggers on those first and on latency only as a backstop:
 
-  ========  ==============================  ==========================  ======================
-  level     requests waiting for the model  ``predicted_wait_ms``       backstop
+  ========  ==============================  =====================  ===============  ======================
+  level     requests waiting for the model  ``predicted_wait_ms``  ``refused_ratio``  backstop
             (``model_queued``,
             ``queue_length``)
-  ========  ==============================  ==========================  ======================
-  1         >= 1/4 of the waiting room      >= 35% of ``e2e_p99_ms``    kv_cache_usage 0.80
-  2         >= 1/2                          >= 50%                      kv 0.90, p95 >= 90% SLO
-  3         >= 3/4                          >= 70%                      p95 >= SLO, ttft_p95 >=
-                                                                        ``ttft_p99_ms``
-  ========  ==============================  ==========================  ======================
+  ========  ==============================  =====================  ===============  ======================
+  1         >= 1/4 of the waiting room      >= 35% of              >= 2%            kv_cache_usage 0.80
+                                            ``e2e_p99_ms``
+  2         >= 1/2                          >= 50%                 >= 5%            kv 0.90, p95 >= 90% SLO
+  3         >= 3/4                          >= 70%                 >= 10%           p95 >= SLO, ttft_p95 >=
+                                                                                    ``ttft_p99_ms``
+  ========  ==============================  =====================  ===============  ======================
 
   ``predicted_wait_ms`` (`policies.admission.AdmissionController.signals`) is the queueing delay
   a request arriving now would see, on the SLO's scale: it reaches ``e2e_p99_ms`` when that
@@ -35,6 +36,15 @@ The rule, and why:
   at 35% rather than lower so that a single request in flight on such a machine (about a
   third of the room) does not hold level 1 for as long as any traffic lasts. The wait is 0
   when nothing is in flight, so every level can recover when load is gone.
+  ``refused_ratio`` is the share of requests the ingress refused for capacity over the last
+  ``admission.refusal_window_s`` (`policies.admission.RefusalWindow`). Admission holds the
+  in-flight count, and so the predicted wait, under the SLO by refusing; past capacity those
+  two stop rising while demand still does, and only the refusals show it. A refusal while
+  optional work still runs is the wrong order (core traffic turned away to keep extras), so
+  refusals raise the level at once: a few percent refused (sheddable work only, typically)
+  switch off level 1's features; a tenth refused means demand is well past this level's
+  capacity and goes to level 3 in one step (escalation takes the highest level triggered). It
+  recovers below 0.5%: at a few requests per second, a window with no refusal at all.
 - **Reachable by construction.** The waiting room is ``max_waiting`` requests (default
   ``max_num_seqs``: the model deployment admits twice its batch, so at most one batch waits in
   vLLM); a queue threshold above it could never fire (the old level 3's ``queue_length: 48``
@@ -64,6 +74,8 @@ QUEUE_FRACTIONS = (0.25, 0.5, 0.75)  # of the waiting room, per level
 PREDICTED_FRACTIONS = (0.35, 0.5, 0.7)  # of e2e_p99_ms, per level
 QUEUE_RECOVER_RATIO = 0.25
 PREDICTED_RECOVER_RATIO = 0.6
+REFUSED_FRACTIONS = (0.02, 0.05, 0.10)  # of the requests decided on in the refusal window, per level
+REFUSED_RECOVER = 0.005
 DEFAULT_DWELL_S = 30.0
 DEFAULT_COOLDOWN_S = 15.0
 
@@ -108,6 +120,8 @@ def derived_levels(
         predicted = round(PREDICTED_FRACTIONS[i] * e2e, 1)
         trigger["predicted_wait_ms"] = predicted
         recover["predicted_wait_ms"] = round(predicted * PREDICTED_RECOVER_RATIO, 1)
+        trigger["refused_ratio"] = REFUSED_FRACTIONS[i]
+        recover["refused_ratio"] = REFUSED_RECOVER
         if i == 0:
             trigger["kv_cache_usage"] = 0.80
         elif i == 1:

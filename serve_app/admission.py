@@ -163,8 +163,8 @@ class AdmissionGate:
 
     def signals(self) -> dict[str, float]:
         """Early signals for the policy actor: predicted end-to-end time, requests waiting for
-        the model's batch; nothing while admission is off."""
-        return self.controller.signals(self.in_flight) if self.controller is not None else {}
+        the model's batch, the share refused at the door; nothing while admission is off."""
+        return self.controller.signals(self.in_flight, self._clock()) if self.controller is not None else {}
 
     def state(self) -> dict[str, Any]:
         """For ``/admin/brownout``: the caps per class, the measured rate, the counters."""

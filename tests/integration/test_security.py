@@ -92,9 +92,18 @@ def test_admin_api_tokens_and_ttls(deployed: Cluster) -> None:
             time.sleep(0.3)
 
 
-def test_a_client_request_id_cannot_cancel_another_request(deployed: Cluster) -> None:
+def test_a_client_request_id_cannot_cancel_another_request(deployed: Cluster, http: httpx.Client) -> None:
     """Two requests with the same X-Request-ID: the second disconnects early; the first still
-    gets every token (the engine's id is the server's own)."""
+    gets every token (the engine's id is the server's own). Level 0 is pinned: an earlier test
+    may leave the level raised, and level 3's shaping caps max_tokens at 64."""
+    pin(http, 0, ttl_s=120)
+    try:
+        _same_request_id_streams(deployed)
+    finally:
+        admin(http, "DELETE", params={"level": "true"})
+
+
+def _same_request_id_streams(deployed: Cluster) -> None:
     shared = {"X-Request-ID": "same-id-for-both"}
     result: dict[str, object] = {}
 
@@ -105,6 +114,7 @@ def test_a_client_request_id_cannot_cancel_another_request(deployed: Cluster) ->
             lines = [line for line in r.iter_lines() if line.startswith("data: {")]
             result["status"] = r.status_code
             result["echo"] = r.headers.get("x-request-id")
+            result["shaped"] = r.headers.get("x-brownout-shaped")
             result["usage"] = json.loads(lines[-1][6:])["usage"]
 
     t = threading.Thread(target=long_stream)
@@ -116,6 +126,7 @@ def test_a_client_request_id_cannot_cancel_another_request(deployed: Cluster) ->
         next(r.iter_lines())  # then disconnect: its engine request is aborted, only its own
     t.join(timeout=120)
     assert result["status"] == 200 and result["echo"] == "same-id-for-both"
+    assert result["shaped"] is None, result  # so the full 120 is what the first must get
     assert result["usage"]["completion_tokens"] == 120, result
 
 

@@ -12,6 +12,7 @@ from policies.admission import (
     CRITICALITY_HEADER,
     AdmissionController,
     Criticality,
+    RefusalWindow,
     ServiceModel,
     ShareClock,
     classify,
@@ -273,9 +274,57 @@ def test_bursty_completions_do_not_drift_the_estimate_up() -> None:
 
 def test_signals_for_the_policy_actor() -> None:
     ctl = controller(slots=8)  # prior: 0.1 s alone and per request, in a 2.1 s SLO
-    assert ctl.signals(0) == {"predicted_wait_ms": 0.0, "model_queued": 0.0}  # idle: levels can recover
+    idle = {"predicted_wait_ms": 0.0, "model_queued": 0.0, "refused_ratio": 0.0}
+    assert ctl.signals(0, 0.0) == idle  # idle: levels can recover
     # 12 ahead wait 1.2 s; the SLO over the room the unloaded latency leaves: 2.1 / 2.0
-    assert ctl.signals(12) == {"predicted_wait_ms": 1260.0, "model_queued": 4.0}
+    assert ctl.signals(12, 0.0) == {"predicted_wait_ms": 1260.0, "model_queued": 4.0, "refused_ratio": 0.0}
+
+
+@pytest.mark.parametrize(
+    "name, events, now, expected",
+    [
+        ("nothing decided: 0, so a level can recover", [], 10.0, 0.0),
+        ("every request admitted", [(1.0, False), (2.0, False)], 3.0, 0.0),
+        ("one refused of four", [(1.0, False), (1.1, True), (1.2, False), (1.3, False)], 2.0, 0.25),
+        ("a refusal older than the window is forgotten", [(1.0, True), (6.0, False)], 6.5, 0.0),
+        ("refusals, then no traffic: 0 once the window has passed", [(1.0, True), (1.1, True)], 6.6, 0.0),
+        ("refusals, then no traffic: still counted inside the window", [(1.0, True), (1.1, True)], 5.0, 1.0),
+        ("all refused", [(0.1, True), (0.2, True), (0.3, True)], 0.4, 1.0),
+    ],
+)
+def test_refusal_window(name: str, events: list[tuple[float, bool]], now: float, expected: float) -> None:
+    w = RefusalWindow(5.0)
+    for at, refused in events:
+        w.add(at, refused)
+    assert w.ratio(now) == pytest.approx(expected), name
+
+
+def test_refusal_window_memory_is_bounded_whatever_the_rate() -> None:
+    w = RefusalWindow(5.0)
+    for i in range(100_000):
+        w.add(i * 0.001, refused=i % 10 == 0)  # 1,000 decisions/s for 100 s, 10% refused
+    assert len(w._bins) <= RefusalWindow.BINS + 1
+    decided, refused = w.counts(100.0)
+    assert 5000 <= decided <= 5250 and refused == pytest.approx(decided / 10, abs=1)
+    with pytest.raises(ValueError, match="window_s"):
+        RefusalWindow(0.0)
+
+
+def test_refusals_at_the_door_raise_the_refused_ratio_and_admissions_lower_it() -> None:
+    ctl = controller(slots=8)
+    cap = ctl.max_admitted(C)
+    assert all(ctl.decide(C, ahead=i, now=1.0).admitted for i in range(cap))
+    assert ctl.signals(cap, 1.0)["refused_ratio"] == 0.0  # full, nothing refused yet: no signal
+    assert not ctl.decide(C, ahead=cap, now=1.5).admitted  # demand past what this level serves
+    assert ctl.signals(cap, 1.5)["refused_ratio"] == pytest.approx(1 / (cap + 1), abs=1e-4)
+    assert ctl.signals(0, 7.0)["refused_ratio"] == 0.0  # the window has passed: the level may recover
+
+
+def test_a_reloaded_policy_applies_a_new_refusal_window() -> None:
+    ctl = controller()
+    ctl.update(SLO, SETTINGS.model_copy(update={"refusal_window_s": 1.0}))
+    assert not ctl.decide(C, ahead=10_000, now=0.0).admitted
+    assert ctl.signals(0, 0.5)["refused_ratio"] == 1.0 and ctl.signals(0, 1.2)["refused_ratio"] == 0.0
 
 
 @pytest.mark.parametrize(("in_flight", "wait_ms"), [
@@ -289,7 +338,7 @@ def test_predicted_wait_is_on_the_slo_scale_when_one_request_alone_takes_much_of
     ctl = controller(SloConfig(e2e_p99_ms=4000), AdmissionConfig(overhead_ms=100))
     served_at(ctl, 1, base=1.5, per=0.8, seconds=10)
     served_at(ctl, 3, base=1.5, per=0.8, seconds=10, t0=20.0)
-    assert ctl.signals(in_flight)["predicted_wait_ms"] == pytest.approx(wait_ms, rel=0.01)
+    assert ctl.signals(in_flight, 40.0)["predicted_wait_ms"] == pytest.approx(wait_ms, rel=0.01)
     assert ctl.predicted_e2e_s(3) == pytest.approx(0.1 + 1.5 + 3 * 0.8, rel=0.01)
     # 0.1 + 1.5 + 0.8 * ahead <= 0.1 + share * 3.9: critical ahead <= 3, standard 2, sheddable 1
     assert [ctl.max_admitted(k) for k in (C, S, D)] == [4, 3, 2]

@@ -201,16 +201,56 @@ def test_derived_policy_from_the_slo_alone() -> None:
 
     cfg = derive_policy(parse_policy({"slo": {"e2e_p99_ms": 2000, "ttft_p99_ms": 800}}), max_num_seqs=16)
     assert cfg.trigger_thresholds(1) == {"model_queued": 4, "queue_length": 4, "predicted_wait_ms": 700,
-                                         "kv_cache_usage": 0.8}
+                                         "refused_ratio": 0.02, "kv_cache_usage": 0.8}
     assert cfg.trigger_thresholds(2) == {"model_queued": 8, "queue_length": 8, "predicted_wait_ms": 1000,
-                                         "kv_cache_usage": 0.9, "p95_latency_ms": 1800}
+                                         "refused_ratio": 0.05, "kv_cache_usage": 0.9, "p95_latency_ms": 1800}
     assert cfg.trigger_thresholds(3) == {"model_queued": 12, "queue_length": 12, "predicted_wait_ms": 1400,
-                                         "p95_latency_ms": 2000, "ttft_p95_ms": 800}
+                                         "refused_ratio": 0.10, "p95_latency_ms": 2000, "ttft_p95_ms": 800}
     assert cfg.recover_thresholds(1)["queue_length"] == 1  # the queue must essentially empty
+    # refusals at the door: any level recovers only once the window has (almost) none
+    assert all(cfg.recover_thresholds(lv)["refused_ratio"] == 0.005 for lv in (1, 2, 3))
     assert cfg.recover_thresholds(3)["predicted_wait_ms"] == pytest.approx(840)
     # levels it had to add carry the default plan and the shipped dwell and cooldown
     assert cfg.off_levels() == default_policy_off_levels()
     assert (cfg.dwell_s(2), cfg.cooldown_s(2)) == (30, 15)
+
+
+@pytest.mark.parametrize(
+    "refused, level",
+    [(0.0, 0), (0.01, 0), (0.02, 1), (0.05, 2), (0.3, 3)],
+)
+def test_refusals_at_the_door_raise_the_derived_level_while_the_queue_looks_calm(refused: float, level: int) -> None:
+    """Admission keeps the queue and the predicted wait under their triggers by refusing; the
+    refused share alone raises the level, the highest it reaches in one tick."""
+    from policies.controller import ControllerState, decide
+    from policies.signals import Signals
+    from policies.slo import derive_policy
+
+    cfg = derive_policy(parse_policy({"slo": {"e2e_p99_ms": 2000}}), max_num_seqs=16)
+    calm = {"model_queued": 0.0, "predicted_wait_ms": 300.0}
+    state, transition = decide(cfg, ControllerState(), Signals(0.0, {**calm, "refused_ratio": refused}), 0.0)
+    assert state.level == level
+    if level:
+        assert transition is not None and transition.reason.signal == "refused_ratio"
+
+
+def test_a_level_raised_on_refusals_recovers_only_after_a_dwell_without_any() -> None:
+    from policies.controller import ControllerState, decide
+    from policies.signals import Signals
+    from policies.slo import derive_policy
+
+    cfg = derive_policy(parse_policy({"slo": {"e2e_p99_ms": 2000}}), max_num_seqs=16)
+    calm = {"model_queued": 0.0, "predicted_wait_ms": 0.0}
+    state, _ = decide(cfg, ControllerState(), Signals(0.0, {**calm, "refused_ratio": 0.5}), 0.0)
+    assert state.level == 3
+    dwell = cfg.dwell_s(3)
+    for t in range(1, int(dwell) + 5):  # a trickle of refusals (1%) holds level 3 past its dwell
+        state, _ = decide(cfg, state, Signals(float(t), {**calm, "refused_ratio": 0.01}), float(t))
+    assert state.level == 3
+    t0 = float(int(dwell) + 5)
+    for t in range(int(dwell) + 1):  # none at all: one step down after the dwell
+        state, _ = decide(cfg, state, Signals(t0 + t, {**calm, "refused_ratio": 0.0}), t0 + t)
+    assert state.level == 2
 
 
 def default_policy_off_levels():  # type: ignore[no-untyped-def]
