@@ -21,7 +21,8 @@ Remote methods: ``report``, ``view``, ``get_state``, ``set_override``, ``clear_o
 ``update_config``, ``get_config``, ``history``.
 
 Metrics (Ray's metrics export; Prometheus adds the ``ray_`` prefix; ``docs/OPERATIONS.md`` lists
-them with their tags). Gauges are set every tick, counters grow by what each tick observed:
+them with their tags). Gauges are set every tick, counters grow by what each tick observed
+(an operator's override or pin is accounted at once, in ``set_override``/``clear_override``):
 
 - ``brownout_level``, ``brownout_policy_level`` (what the rules say, under a pin),
   ``brownout_level_pinned`` (1 while an operator pin holds);
@@ -130,6 +131,17 @@ class PolicyMetrics:
         elif failed_read:
             self.report_errors.inc(tags={"reason": "failed_read"})
 
+    def account(self, core: PolicyCore) -> None:
+        """Add what the core's `FeatureClock` counted since the last call (ticks and operator
+        changes alike) to the counters. Turn-offs first: a failure on one second-count must not
+        lose an edge."""
+        added, edges = core.take_accounting()
+        for feature, cause in edges:
+            self.turned_off.inc(tags={"feature": feature, "cause": cause})
+        for feature, seconds in added.items():
+            if seconds > 0:
+                self.disabled_s.inc(seconds, tags={"feature": feature})
+
     def tick_failed(self) -> None:
         self.tick_errors.inc()
 
@@ -140,11 +152,7 @@ class PolicyMetrics:
         self.pinned.set(1 if core.state.pin is not None else 0)
         for feature in REGISTRY:
             self.enabled.set(1 if feature in view.enabled else 0, tags={"feature": feature})
-        added, edges = core.last_tick
-        for feature, seconds in added.items():
-            self.disabled_s.inc(seconds, tags={"feature": feature})
-        for feature, cause in edges:
-            self.turned_off.inc(tags={"feature": feature, "cause": cause})
+        self.account(core)
         signals = core.signals
         for name, value in signals.values.items():
             self.signal.set(float(value), tags={"signal": name})
@@ -226,10 +234,16 @@ class PolicyActor:
 
     async def set_override(self, level: int | None = None, feature: str | None = None,
                            enabled: bool | None = None, ttl_s: float | None = None, note: str = "") -> dict[str, Any]:
-        return self.core.set_override(level=level, feature=feature, enabled=enabled, ttl_s=ttl_s, note=note)
+        self._ensure_loop()
+        result = self.core.set_override(level=level, feature=feature, enabled=enabled, ttl_s=ttl_s, note=note)
+        self.metrics.account(self.core)  # an override's turn-off is counted now, not at the next tick
+        return result
 
     async def clear_override(self, level: bool = False, feature: str | None = None) -> dict[str, Any]:
-        return self.core.clear_override(level=level, feature=feature)
+        self._ensure_loop()
+        result = self.core.clear_override(level=level, feature=feature)
+        self.metrics.account(self.core)
+        return result
 
     async def update_config(self, document: dict[str, Any], batch_slots: int | None = None,
                             origin: str = "operator") -> dict[str, Any]:

@@ -72,11 +72,13 @@ class FeatureClock:
     """Per optional feature: seconds spent disabled and how often it was turned off, by cause,
     since start and over the last ``window_s`` (5 minutes).
 
-    ``update(now, off)`` is called once per policy tick with the features that are off now and
-    why (`off_causes`); the time since the previous update is charged to every feature off at
-    both ends (a tick is 250 ms, so an edge is placed within one tick). A turn-off is counted on
-    an observed on -> off edge only: the first update establishes the state (after an actor
-    restart at level 3, nothing was "turned off" by the new actor). Returns this update's
+    ``update(now, off)`` is called on every policy tick and right after every operator change
+    (`PolicyCore._account`) with the features that are off now and why (`off_causes`); the time
+    since the previous update is charged to every feature off at both ends (a tick is 250 ms, so
+    a level's edge is placed within one tick, an operator's exactly). A turn-off is counted on
+    an observed on -> off edge only: the first update, when the core is built (after a restore),
+    establishes the state (after an actor restart at level 3, nothing was "turned off" by the
+    new actor). Returns this update's
     increments, ``(seconds disabled per feature, [(feature, cause) turned off])``, which the
     actor adds to its counters.
     """
@@ -207,11 +209,16 @@ class PolicyCore:
         self.config_origin = "default"
         self._persist = persist
         self._on_transition = on_transition
-        # operators' accounting (see the module docstring): updated on every tick
+        # operators' accounting (see the module docstring): updated on every tick and at once on
+        # every operator change; increments wait in `_pending` until the actor's metrics take them
         self.feature_clock = FeatureClock()
-        self.last_tick: tuple[dict[str, float], list[tuple[str, str]]] = ({}, [])
+        self._pending_s: collections.Counter[str] = collections.Counter()
+        self._pending_edges: list[tuple[str, str]] = []
         if restore is not None:
             self._restore(restore)
+        # The clock's starting state is the restored one: whatever is off now was not "turned
+        # off" by this actor, and an override set before the first tick is an edge.
+        self._account(self.clock())
 
     # -- persistence ---------------------------------------------------------------------------
 
@@ -292,8 +299,30 @@ class PolicyCore:
         # the policy level is persisted on change (and an expired pin is dropped)
         if transition is not None or before_pin is not self.state.pin:
             self._save()
-        self.last_tick = self.feature_clock.update(now, self.off_now(now))
+        self._account(now)
         return transition
+
+    def _account(self, now: float) -> None:
+        """Bring the `FeatureClock` up to ``now`` and keep its increments for `take_accounting`.
+
+        Called on every tick and right after every operator change (a pin, a feature override
+        set or cleared). Without the latter, an override's turn-off was an edge only if a tick ran
+        while it alone was in force: an override followed within a tick by a level pin that
+        turns the same feature off was counted as the level's (or not at all, if the clock first
+        saw the feature off), and the next tick's increments replaced those the metrics had not
+        taken yet.
+        """
+        added, edges = self.feature_clock.update(now, self.off_now(now))
+        self._pending_s.update(added)
+        self._pending_edges.extend(edges)
+
+    def take_accounting(self) -> tuple[dict[str, float], list[tuple[str, str]]]:
+        """The increments since the last call: ``(seconds disabled per feature, [(feature,
+        cause) turned off])``; the actor adds them to its counters."""
+        added, edges = dict(self._pending_s), list(self._pending_edges)
+        self._pending_s.clear()
+        self._pending_edges.clear()
+        return added, edges
 
     def off_now(self, now: float) -> dict[str, str]:
         """The optional features off now, and why (`off_causes`)."""
@@ -327,6 +356,7 @@ class PolicyCore:
                 self.state = force_feature(self.state, feature, enabled, now, ttl_s)  # type: ignore[arg-type]
         except ValueError as err:
             return {"ok": False, "error": str(err)}
+        self._account(now)
         self._save()
         logger.warning(json.dumps({"event": "brownout_override_set", "at": now, "level": level,
                                    "feature": feature, "enabled": enabled, "ttl_s": ttl_s, "note": note}))
@@ -340,6 +370,7 @@ class PolicyCore:
                 self._record(transition)
         if feature is not None:
             self.state = clear_feature(self.state, feature)
+        self._account(now)
         self._save()
         logger.warning(json.dumps({"event": "brownout_override_cleared", "at": now, "level": level, "feature": feature}))
         return {"ok": True, "state": self.get_state()}

@@ -110,11 +110,92 @@ def test_core_state_has_thresholds_and_feature_time() -> None:
     assert times["ab_test"]["off"] and times["ab_test"]["cause"] == "level"
     assert times["ab_test"]["disabled_s"] == pytest.approx(1.0)
     assert not times["personalization"]["off"]
+    core.take_accounting()
     core.set_override(feature="personalization", enabled=False, ttl_s=60)
+    assert core.take_accounting()[1] == [("personalization", "override")]  # at once, not at the next tick
     fake.advance(0.25)
     core.tick()
-    assert core.last_tick[1] == [("personalization", "override")]
+    assert core.take_accounting() == ({"ab_test": 0.25, "debug_capture": 0.25, "personalization": 0.25}, [])
     assert core.get_state()["feature_time"]["personalization"]["turned_off"] == {"override": 1}
+
+
+# -- the override turn-off lost after policy-actor restarts (issue 13) -------------------------------
+
+
+def _restarted(fake: FakeClock) -> PolicyCore:
+    """A core that ran at level 2 and persisted it, then a new one restored from its snapshot
+    (what Ray's restart of the actor does)."""
+    store: dict[str, bytes] = {}
+    first = PolicyCore(parse_policy(POLICY), clock=fake, persist=lambda b: store.__setitem__("k", b),
+                       restore=lambda: store.get("k"))
+    first.report("model:a", {"queue_length": 10})
+    first.tick()
+    assert first.state.level == 2
+    fake.advance(1.0)
+    return PolicyCore(parse_policy(POLICY), clock=fake, persist=lambda b: store.__setitem__("k", b),
+                      restore=lambda: store.get("k"))
+
+
+def test_restarted_actor_counts_no_turn_off_for_what_was_off_before_it_started() -> None:
+    fake = FakeClock()
+    core = _restarted(fake)
+    assert core.state.level == 2
+    fake.advance(0.25)
+    core.tick()
+    assert core.take_accounting()[1] == []  # ab_test was off by the level before: not turned off now
+    assert core.feature_clock.snapshot(fake())["ab_test"]["cause"] == "level"
+
+
+def test_restarted_actor_counts_an_override_set_before_its_first_tick() -> None:
+    """The restored actor's first tick only established the state: an override set before it
+    (the loop starts on the first call) was never an edge."""
+    fake = FakeClock()
+    core = _restarted(fake)
+    core.take_accounting()
+    core.set_override(level=0, ttl_s=30)
+    core.set_override(feature="personalization", enabled=False, ttl_s=30)
+    fake.advance(0.25)
+    core.tick()
+    assert ("personalization", "override") in core.take_accounting()[1]
+
+
+def test_an_override_followed_at_once_by_a_level_pin_is_counted_as_the_override() -> None:
+    """The metrics test's sequence, with no tick between the override and the pin (a restarted
+    actor's loop late by a tick): the turn-off is the override's, once."""
+    fake = FakeClock()
+    core = _restarted(fake)
+    core.set_override(level=0, ttl_s=30)
+    fake.advance(0.25)
+    core.tick()
+    core.take_accounting()
+    core.set_override(feature="ab_test", enabled=False, ttl_s=30)
+    core.set_override(level=2, ttl_s=30)  # turns ab_test off by the level too
+    for _ in range(3):
+        fake.advance(0.25)
+        core.tick()
+    added, edges = core.take_accounting()
+    assert [e for e in edges if e[0] == "ab_test"] == [("ab_test", "override")]
+    assert added["ab_test"] == pytest.approx(0.75)
+    assert core.get_state()["feature_time"]["ab_test"]["turned_off"] == {"override": 1}
+
+
+def test_increments_wait_until_the_metrics_take_them(recorder: "Recorder") -> None:
+    """Ticks that ran without the metrics taking their increments (a tick whose export failed,
+    an override between ticks) lose nothing: the next `account` adds them all."""
+    from policies.actor import PolicyMetrics
+
+    fake = FakeClock()
+    metrics = PolicyMetrics()
+    core = PolicyCore(parse_policy(POLICY), clock=fake)
+    core.set_override(feature="ab_test", enabled=False, ttl_s=60)
+    for _ in range(4):
+        fake.advance(0.25)
+        core.tick()
+    metrics.account(core)
+    assert recorder.value("brownout_feature_turned_off_total", feature="ab_test", cause="override") == 1
+    assert recorder.value("brownout_feature_disabled_seconds_total", feature="ab_test") == pytest.approx(1.0)
+    metrics.account(core)  # nothing new: nothing added twice
+    assert recorder.value("brownout_feature_turned_off_total", feature="ab_test", cause="override") == 1
 
 
 # -- PolicyMetrics with recording metric classes -------------------------------------------------
@@ -207,8 +288,10 @@ def test_policy_metrics_names_tags_and_values(recorder: Recorder) -> None:
     assert recorder.value("brownout_report_errors_total", reason="rejected") == 1
 
     # an operator pin: counted as an override transition, and the pin shows
-    core.set_override(level=3, ttl_s=30)
+    # (forced on first: each operator change is accounted at once, so forcing it on after the
+    # pin would count the pin's turn-off in between)
     core.set_override(feature="personalization", enabled=True, ttl_s=30)
+    core.set_override(level=3, ttl_s=30)
     fake.advance(0.25)
     core.tick()
     metrics.tick(core, 0.1)
