@@ -44,7 +44,7 @@ from typing import IO, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from deployments.enrichments.base import Enrichment
+from deployments.enrichments.base import Enrichment, offload
 from deployments.enrichments.feature import Feature, Worker
 from deployments.enrichments.spool import PRIVATE_FILE_MODE, fsync_dir, json_line, open_private, private_dir
 
@@ -148,7 +148,7 @@ class AuditLog(Enrichment):
                     batch_ids.add(rid)
                 fresh.append((rid, line))
             if fresh:
-                await asyncio.to_thread(self._write, [line for _, line in fresh])
+                await offload(self._write, [line for _, line in fresh])
                 for rid, _ in fresh:  # after the fsync: a failed write is retried, not skipped
                     if isinstance(rid, str):
                         self._remember(rid)

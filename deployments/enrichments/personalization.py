@@ -25,7 +25,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from deployments.enrichments.base import Enrichment
+from deployments.enrichments.base import Enrichment, offload
 from deployments.enrichments.feature import Feature, RequestState, Worker
 from deployments.enrichments.spool import PRIVATE_FILE_MODE, open_private, private_dir
 
@@ -97,7 +97,7 @@ class Personalization(Enrichment):
             user.encode()
         except UnicodeEncodeError:
             return {}  # no profile has it; and SQLite's error would carry the id into a log
-        row = await asyncio.to_thread(self._fetch, user)
+        row = await offload(self._fetch, user)
         if row is None:
             return {}
         self._hits += 1

@@ -51,8 +51,14 @@ of france" is 0.908, below the 0.92 default; casefolded and stripped of punctuat
 while "... capital of Germany?" stays at 0.47. The 0.92 default keeps such one-word changes of
 meaning apart while letting phrasing differences through.
 
-Embedding runs in a worker thread (``asyncio.to_thread``); the cache arrays are touched only on
-the event loop thread, between awaits, so they need no lock.
+Embedding runs in a worker thread (`deployments.enrichments.base.offload`: ``asyncio.to_thread``,
+its CPU time charged to the call); the cache arrays are touched only on the event loop thread,
+between awaits, so they need no lock.
+
+``embed_delay_ms`` (default 0: off) is a test and benchmark setting, never a production one:
+every embedding (lookup and write) waits that long in its worker thread first, as a slower
+embedding model would. The integration test of the cost ranking sets it to make the cache the
+most expensive feature; a negative value is a config error naming the key and the value.
 """
 
 from __future__ import annotations
@@ -70,7 +76,7 @@ from typing import Any, Protocol
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from deployments.enrichments.base import Enrichment
+from deployments.enrichments.base import Enrichment, offload
 from deployments.enrichments.feature import Feature, RequestState, Worker
 
 _PUNCT = re.compile(r"[^\w\s]+")
@@ -198,8 +204,12 @@ class SemanticCache(Enrichment):
         ttl_s: float = 600.0,
         max_entries: int = 2048,
         clock: Callable[[], float] = time.time,
+        embed_delay_ms: float = 0.0,
     ) -> None:
         super().__init__()
+        if not 0.0 <= embed_delay_ms < float("inf"):
+            raise ValueError(f"embed_delay_ms must be a finite number >= 0, got {embed_delay_ms!r}")
+        self.embed_delay_s = embed_delay_ms / 1000.0
         if not 0.0 < similarity_threshold <= 1.0:
             raise ValueError(f"similarity_threshold must be in (0, 1], got {similarity_threshold!r}")
         if ttl_s <= 0:
@@ -243,6 +253,8 @@ class SemanticCache(Enrichment):
         if window is not None and count(key) > window:
             return None, 0
         tokens = count(question) if count is not None else len(_WORDS.findall(question))
+        if self.embed_delay_s > 0:
+            time.sleep(self.embed_delay_s)  # embed_delay_ms: a test setting (module docstring)
         vec = np.asarray(self.embedder.encode([key]), dtype=np.float32).reshape(-1)
         norm = float(np.linalg.norm(vec))
         return (vec / norm if norm > 0 else vec), tokens
@@ -254,7 +266,7 @@ class SemanticCache(Enrichment):
         if not slots:
             self._misses += 1
             return {"hit": False}
-        query, tokens = await asyncio.to_thread(self._measure, key, question)
+        query, tokens = await offload(self._measure, key, question)
         slots = self._by_scope.get(scope)  # the write path may have changed it meanwhile
         if query is None or not slots:
             if query is None:
@@ -301,7 +313,7 @@ class SemanticCache(Enrichment):
             return 0
         if not answer:
             return 0
-        vec, tokens = await asyncio.to_thread(self._measure, key, question)
+        vec, tokens = await offload(self._measure, key, question)
         if vec is None:
             self._too_long += 1
             return 0
@@ -381,6 +393,8 @@ class SemanticCacheSettings(BaseModel):
     similarity_threshold: float = Field(default=0.92, gt=0.0, le=1.0)
     ttl_s: float = Field(default=600.0, gt=0.0)
     max_entries: int = Field(default=2048, ge=1)
+    # test/bench only: each embedding waits this long first, as a slower model would (0: off)
+    embed_delay_ms: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
 
 
 def _scope_of(request: RequestState) -> dict[str, str]:

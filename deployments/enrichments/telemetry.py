@@ -37,7 +37,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from deployments.enrichments.base import Enrichment
+from deployments.enrichments.base import Enrichment, offload
 from deployments.enrichments.feature import Feature, Worker
 from deployments.enrichments.spool import PRIVATE_FILE_MODE, open_private, private_dir
 
@@ -223,7 +223,7 @@ class Telemetry(Enrichment):
         safe_id = (request_id if _SAFE_ID.match(request_id)
                    else hashlib.sha256(request_id.encode("utf-8", "backslashreplace")).hexdigest()[:16])
         name = f"{int(doc['captured_at'] * 1000):013d}-{next(self._seq):08d}-{safe_id}.json"
-        await asyncio.to_thread(self._write_debug, self.debug_dir / name, body)
+        await offload(self._write_debug, self.debug_dir / name, body)
 
     def _write_debug(self, path: Path, body: bytes) -> None:
         tmp = path.with_name(path.name + ".tmp")

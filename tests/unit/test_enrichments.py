@@ -171,6 +171,8 @@ def test_cache_rewrite_of_the_same_key_replaces_and_cache_hits_are_not_written()
         ({"similarity_threshold": 0.0}, r"similarity_threshold must be in \(0, 1\], got 0.0"),
         ({"ttl_s": -1}, "ttl_s must be > 0, got -1"),
         ({"max_entries": 0}, "max_entries must be >= 1, got 0"),
+        ({"embed_delay_ms": -5}, "embed_delay_ms must be a finite number >= 0, got -5"),
+        ({"embed_delay_ms": float("nan")}, "embed_delay_ms must be a finite number >= 0, got nan"),
     ],
 )
 def test_cache_rejects_bad_settings(kw: dict[str, Any], match: str) -> None:
@@ -577,3 +579,89 @@ def test_build_rejects_bad_config(kind: str, settings: dict[str, Any], match: st
         registry.build(kind, settings)
 
 
+
+
+# -- embed_delay_ms (a test setting) and CPU time per call (issue 13's cost accounting) -------------
+
+
+@pytest.mark.parametrize(("value", "ok"), [(0, True), (250, True), (-1, False), ("soon", False)])
+def test_embed_delay_ms_setting_is_validated_naming_key_and_value(value: Any, ok: bool) -> None:
+    worker = registry.workers(registry.features())["semantic_cache"]
+    if ok:
+        assert worker._validate({"embed_delay_ms": value}).embed_delay_ms == value
+        return
+    with pytest.raises(ValueError) as err:
+        worker._validate({"embed_delay_ms": value})
+    assert "enrichments.settings.semantic_cache: embed_delay_ms" in str(err.value)
+    assert repr(value) in str(err.value)
+
+
+def test_embed_delay_slows_each_embedding_and_only_when_set() -> None:
+    import time as _time
+
+    slow, _ = cache(embed_delay_ms=150)
+    write(slow, "What is the capital of France?", "Paris.")
+    t0 = _time.perf_counter()
+    assert lookup(slow, "what is the capital of france")["hit"]
+    assert _time.perf_counter() - t0 >= 0.15
+    fast, _ = cache()
+    write(fast, "What is the capital of France?", "Paris.")
+    t0 = _time.perf_counter()
+    assert lookup(fast, "what is the capital of france")["hit"]
+    assert _time.perf_counter() - t0 < 0.15
+
+
+class Burner(Enrichment):
+    """Burns a known amount of CPU on the loop and in a worker thread, and waits without CPU."""
+
+    features = ("ab_test",)
+
+    async def _call(self, feature: str, payload: dict[str, Any]) -> dict[str, Any]:
+        from deployments.enrichments.base import offload
+
+        spin(payload["loop_s"])
+        await asyncio.sleep(payload["sleep_s"])  # waiting costs no CPU
+        await offload(spin, payload["thread_s"])
+        if payload.get("fail"):
+            raise RuntimeError("boom")
+        return {"ok": True}
+
+
+def spin(seconds: float) -> None:
+    import time as _time
+
+    end = _time.thread_time() + seconds
+    while _time.thread_time() < end:
+        pass
+
+
+def test_cpu_time_counts_loop_and_worker_thread_work_not_waiting_nor_other_calls() -> None:
+    from deployments.enrichments.base import run_calls
+
+    b = Burner()
+
+    async def both() -> list[Any]:
+        # a concurrent busy coroutine on the same loop: its CPU is not charged to the call
+        async def noisy() -> None:
+            for _ in range(5):
+                spin(0.02)
+                await asyncio.sleep(0.01)
+
+        out, _ = await asyncio.gather(run_calls({"ab_test": b}, [("ab_test", {"loop_s": 0.05, "sleep_s": 0.1,
+                                                                               "thread_s": 0.05})]), noisy())
+        return out
+
+    (outcome,) = run(both())
+    assert outcome.error is None and outcome.cpu_s is not None
+    assert 0.09 <= outcome.cpu_s <= 0.14, outcome.cpu_s  # 50 ms + 50 ms, not the 100 ms wait nor noisy()'s
+    assert b.cpu_seconds()["ab_test"] == pytest.approx(outcome.cpu_s, abs=1e-6)
+
+
+def test_a_failed_call_reports_no_cpu_but_the_worker_counts_it() -> None:
+    from deployments.enrichments.base import run_calls
+
+    b = Burner()
+    (outcome,) = run(run_calls({"ab_test": b}, [("ab_test", {"loop_s": 0.02, "sleep_s": 0, "thread_s": 0,
+                                                              "fail": True})]))
+    assert outcome.error == "RuntimeError" and outcome.cpu_s is None
+    assert b.cpu_seconds()["ab_test"] >= 0.015
