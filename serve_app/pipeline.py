@@ -61,6 +61,22 @@ recovered in worker threads (`open_spool`), never on the event loop.
 
 The level is a `PolicyView` the ingress refreshes in the background; the pipeline never calls
 the policy actor.
+
+Accounting (issue 13). Every stage call is timed as the ingress sees it (send to answer, one
+handle call; features sent together share its time) and added, with the CPU time the worker
+measured (``Outcome.cpu_s``) and whether it failed, to ``cost`` (`policies.feature_cost.
+FeatureCost`: since start and over the last 5 minutes). Every stage not run for a request is
+counted by cause (``bypassed_by``; the ``on_bypass(feature, cause)`` hook exports it):
+
+- ``level``: the level's rule turns the feature off; ``override``: an operator forced it off
+  while the level allows it (told apart with the policy's ``off_levels``, which the ingress
+  sets; without them every disabled stage counts as ``level``);
+- ``error``: the call failed; ``timeout``: it exceeded its stage timeout (here, or the
+  worker's own);
+- ``breaker``: its circuit was open, so no call was made.
+
+A deferred side effect is not bypassed (its record waits in the spool): it is counted as
+``deferred`` only.
 """
 
 from __future__ import annotations
@@ -75,10 +91,14 @@ from typing import Any
 from deployments.enrichments.base import Outcome
 from deployments.enrichments.feature import OUTCOMES, Feature, RequestState, record_id
 from deployments.enrichments.spool import DurableSpool, SpoolFull, Unencodable, sanitize
-from policies.features import OffMode, Stage
+from policies import features as feat
+from policies.feature_cost import FeatureCost
+from policies.features import OffMode, PolicyView, Stage
 from serve_app.breaker import Breaker, BreakerSettings
 
 logger = logging.getLogger("ray.serve")
+
+BYPASS_CAUSES = ("level", "override", "error", "timeout", "breaker")
 
 # One batch of stage calls to one place: (host, [(feature, payload), ...]) -> one outcome per
 # call. ``host`` None means the ingress process itself. The ingress binds it to its handles.
@@ -101,6 +121,7 @@ class Pipeline:
         clock: Callable[[], float] = time.monotonic,
         max_background: int = 512,
         adopt_every_s: float = 5.0,
+        on_bypass: Callable[[str, str], None] | None = None,
     ) -> None:
         if max_background < 1:
             raise ValueError(f"max_background must be >= 1, got {max_background!r}")
@@ -111,6 +132,12 @@ class Pipeline:
         # (feature, "bypassed" | "failed" | "deferred"): a metrics hook, so an operator sees how
         # often each feature is degraded (and may reconsider one degraded too often)
         self._on_outcome = on_outcome or (lambda feature, outcome: None)
+        # (feature, cause in BYPASS_CAUSES): a stage not run for a request, by why (module docstring)
+        self._on_bypass = on_bypass or (lambda feature, cause: None)
+        self.bypassed_by: Counter[tuple[str, str]] = Counter()
+        # the policy's off level per feature (the ingress sets it): tells level from override
+        self.off_levels: Mapping[str, int | None] | None = None
+        self.cost = FeatureCost()
         self._settings = {k: dict(v) for k, v in (settings or {}).items()}  # worker kind -> settings
         self._spool_for = spool_for
         self.spools: dict[str, DurableSpool] = {}
@@ -146,6 +173,7 @@ class Pipeline:
         if host is not None:
             self.handle_calls[host] += 1
         timeout_s = max(self.timeouts_s.get(n, self.default_timeout_s) for n in names)
+        started = self.clock()
         try:
             outcomes = await asyncio.wait_for(self._call(host, [(n, p) for n, (_, p) in zip(names, batch)]),
                                               timeout=timeout_s)
@@ -156,13 +184,30 @@ class Pipeline:
         results: list[dict[str, Any] | None] = []
         now = self.clock()
         for name, outcome in zip(names, outcomes):
-            self.breakers[name].record(outcome.error is None, now)
-            if outcome.error is not None:
+            ok = outcome.error is None
+            self.breakers[name].record(ok, now)
+            self.cost.record(name, now, now - started, outcome.cpu_s if ok else None, ok)
+            if not ok:
                 self.failures[name] += 1
                 self._on_outcome(name, "failed")
+                self._bypass(name, "timeout" if outcome.error == "TimeoutError" else "error")
                 logger.warning("stage %s bypassed for this request: %s", name, outcome.error)
-            results.append(outcome.result if outcome.error is None else None)
+            results.append(outcome.result if ok else None)
         return results
+
+    def _bypass(self, feature: str, cause: str) -> None:
+        self.bypassed_by[(feature, cause)] += 1
+        self._on_bypass(feature, cause)
+
+    def off_cause(self, view: PolicyView, feature: str) -> str:
+        """Why ``feature`` is off in ``view``: ``override`` if the level alone would run it (an
+        operator forced it off), else ``level``."""
+        try:
+            if self.off_levels is not None and feat.enabled(feature, view.level, self.off_levels, None):
+                return "override"
+        except KeyError:  # a feature the registry does not know: its level's, as without a policy
+            pass
+        return "level"
 
     async def _run(self, calls: list[tuple[Feature, dict[str, Any]]]) -> dict[str, dict[str, Any] | None]:
         """Run ``calls`` concurrently, one batch per host; feature name -> result (None: failed)."""
@@ -174,6 +219,7 @@ class Pipeline:
                 refused[feature.name] = None  # bypassed at once, as a failure would be
                 self.failures[feature.name] += 1
                 self._on_outcome(feature.name, "circuit_open")
+                self._bypass(feature.name, "breaker")
                 continue
             by_host.setdefault(feature.host, []).append((feature, payload))
         hosts = list(by_host)
@@ -183,6 +229,7 @@ class Pipeline:
     def _skip(self, ctx: RequestState, feature: Feature) -> None:
         self.bypassed[feature.name] += 1
         self._on_outcome(feature.name, "bypassed")
+        self._bypass(feature.name, self.off_cause(ctx.view, feature.name))
         ctx.bypassed.append(feature.name)
 
     def _settings_of(self, feature: Feature) -> Mapping[str, Any]:
@@ -482,6 +529,17 @@ class Pipeline:
         while self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
 
+    def bypass_counts(self) -> dict[str, dict[str, int]]:
+        """``{feature: {cause: n}}``: stages not run for a request, by cause, since start."""
+        out: dict[str, dict[str, int]] = {}
+        for (feature, cause), n in sorted(self.bypassed_by.items()):
+            out.setdefault(feature, {})[cause] = n
+        return out
+
+    def costs(self) -> dict[str, dict[str, Any]]:
+        """`FeatureCost.snapshot` now, every feature of this pipeline listed."""
+        return self.cost.snapshot(self.clock(), [f.name for f in self.features])
+
     def counters(self) -> dict[str, dict[str, Any]]:
         return {"calls": dict(self.calls), "handle_calls": dict(self.handle_calls),
                 "bypassed": dict(self.bypassed), "failures": dict(self.failures),
@@ -490,5 +548,6 @@ class Pipeline:
                 "spools": {f: sp.stats() for f, sp in self.spools.items()},
                 "audited": dict(self.audited), "not_spooled": dict(self.not_spooled),
                 "shed": dict(self.shed), "escaped": dict(self.escaped), "task_errors": dict(self.task_errors),
+                "bypassed_by_cause": self.bypass_counts(),
                 "background": len(self._background), "max_background": self.max_background,
                 "circuits": {name: b.snapshot() for name, b in self.breakers.items()}}

@@ -486,3 +486,84 @@ def test_abandon_when_the_cap_is_reached_spools_the_audit_record(tmp_path: Path)
 
     run(go())
     assert p.pending("audit_log") == 1 and p.deferred == {"audit_log": 1} and p.shed == {}
+
+
+# -- per-feature cost and bypasses by cause (issue 13) ----------------------------------------------
+
+
+def test_bypasses_are_counted_by_cause_level_override_error_timeout_breaker() -> None:
+    from serve_app.breaker import BreakerSettings
+
+    stages, hooked = FakeStages(), []
+    stages.fail.add("personalization")
+    stages.slow_s["semantic_cache_lookup"] = 5
+    p = pipeline(stages, default_timeout_s=0.2, breaker=BreakerSettings(failure_threshold=1, open_s=60),
+                 on_bypass=lambda f, c: hooked.append((f, c)))
+    p.off_levels = {"ab_test": 2, "prompt_rewrite": 1}
+    # level 1: prompt_rewrite off by the level; ab_test off although level 1 allows it: an override
+    v = PolicyView(level=1, enabled=frozenset(OPTIONAL - {"prompt_rewrite", "ab_test"}))
+    run(p.pre(ctx(v)))
+    first = p.bypass_counts()
+    assert first["prompt_rewrite"] == {"level": 1} and first["ab_test"] == {"override": 1}
+    assert first["personalization"] == {"error": 1} and first["semantic_cache_lookup"] == {"timeout": 1}
+    run(p.pre(ctx(v)))  # both circuits opened on their first failure: no call, bypassed at once
+    second = p.bypass_counts()
+    assert second["personalization"] == {"error": 1, "breaker": 1}
+    assert second["semantic_cache_lookup"] == {"timeout": 1, "breaker": 1}
+    assert sorted(hooked) == sorted((f, c) for f, by in second.items() for c, n in by.items() for _ in range(n))
+    assert {c for f, c in hooked} <= {"level", "override", "error", "timeout", "breaker"}
+    assert p.counters()["bypassed_by_cause"] == second
+
+
+def test_without_the_policy_every_disabled_stage_counts_as_the_level() -> None:
+    p = pipeline(FakeStages())
+    run(p.pre(ctx(view(0, off={"ab_test"}))))
+    assert p.bypass_counts()["ab_test"] == {"level": 1}
+
+
+def test_a_timeout_reported_by_the_worker_is_a_timeout() -> None:
+    from deployments.enrichments.base import Outcome
+
+    async def call(host, calls):  # type: ignore[no-untyped-def]
+        return [Outcome(error="TimeoutError") for _ in calls]
+
+    p = Pipeline(registry.features(["personalization"]), call, None)
+    run(p.pre(ctx(view(0))))
+    assert p.bypass_counts() == {"personalization": {"timeout": 1}}
+
+
+def test_each_stage_call_is_costed_with_its_wall_time_and_the_workers_cpu() -> None:
+    from deployments.enrichments.base import Outcome
+    from tests.fakes.clock import FakeClock
+
+    clock = FakeClock()
+
+    async def call(host, calls):  # type: ignore[no-untyped-def]
+        clock.advance(0.25 if host == "SemanticCache" else 0.01)  # the stage's wall time, as the ingress sees it
+        return [Outcome(result={}, cpu_s=0.02) if f != "ab_test" else Outcome(error="RuntimeError")
+                for f, _ in calls]
+
+    p = Pipeline(registry.features(["semantic_cache_lookup", "ab_test"]), call, None, clock=clock)
+    for _ in range(4):
+        run(p.pre(ctx(view(0))))
+    costs = p.costs()
+    lookup, ab = costs["semantic_cache_lookup"], costs["ab_test"]
+    assert lookup["calls"] == 4 and lookup["failures"] == 0 and lookup["cpu_calls"] == 4
+    assert lookup["cpu_ms_per_call"] == pytest.approx(20.0)
+    assert 10.0 <= lookup["latency_ms_per_call"] <= 260.0  # sent concurrently with the in-process one
+    assert ab["calls"] == 4 and ab["failures"] == 4 and ab["cpu_calls"] == 0  # a failure reports no CPU
+    assert lookup["window"]["calls"] == 4
+    assert set(costs) == {"semantic_cache_lookup", "ab_test"}
+
+
+def test_a_slow_stage_ranks_first_by_cost() -> None:
+    from policies.feature_cost import merge, rank
+
+    stages = FakeStages()
+    stages.slow_s["semantic_cache_lookup"] = 0.05
+    p = pipeline(stages)
+    for _ in range(3):
+        run(p.pre(ctx(view(0))))
+    ranked = rank(merge(p.costs(), {}))
+    assert ranked[0]["feature"] == "semantic_cache_lookup", [(r["feature"], r["cost_ms"]) for r in ranked]
+    assert ranked[0]["calls"] == 3 and ranked[0]["window"]["cost_ms"] >= 150
