@@ -408,8 +408,33 @@ def feature_rows(doc: Any) -> list[dict[str, Any]]:
     return [r for r in body if isinstance(r, dict)] if isinstance(body, list) else []
 
 
+def _minutes(seconds: Any) -> str:
+    return f"{seconds / 60:g} min" if isinstance(seconds, (int, float)) and seconds > 0 else "window"
+
+
 def render_features(doc: Any, out: Out) -> None:
+    """The cost table (``GET /admin/brownout/features``) in the server's order: first the most
+    expensive feature, then the most often off. Rows in another shape are shown as they came."""
     rows = feature_rows(doc)
+    if rows and all(isinstance(r.get("window"), dict) for r in rows):
+        span = _minutes(doc.get("window_s") if isinstance(doc, dict) else None)
+        table = []
+        for r in rows:
+            w = r["window"]
+            state = f"off ({r.get('cause') or 'level'})" if r.get("off") else "on"
+            bypassed = r.get("bypassed") or {}
+            table.append([r.get("rank"), r.get("feature"), state, w.get("cost_ms"), w.get("calls"),
+                          w.get("latency_ms_per_call"), w.get("cpu_ms_per_call"), w.get("failures"),
+                          w.get("disabled_s"), w.get("turned_off"), r.get("cost_ms"), r.get("calls"),
+                          r.get("disabled_s"), r.get("turned_off"),
+                          ", ".join(f"{c} {n}" for c, n in sorted(bypassed.items())) or "-"])
+        out.table(f"features, most expensive and most often off first (last {span}; then since start)",
+                  ["#", "feature", "now", "cost ms", "calls", "ms/call", "cpu ms/call", "failed", "off s",
+                   "turned off", "cost ms (all)", "calls (all)", "off s (all)", "turned off (all)", "bypassed by cause"],
+                  table)
+        out.line("cost: (ms per call + CPU ms per call) x calls, on this ingress replica; off time: the "
+                 "policy actor's")
+        return
     columns: list[str] = []
     for row in rows:
         columns += [k for k in row if k not in columns]

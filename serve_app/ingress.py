@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (whole or SSE streamed, ending
 with ``data: [DONE]``), ``GET /v1/models``, ``GET /healthz``, and the admin API under
-``/admin/brownout`` (state, history, overrides, policy).
+``/admin/brownout`` (state, history, overrides, policy, ``/features``: each optional feature's
+cost and how often it is off, ranked).
 
 Errors use OpenAI's error JSON; each names the offending field: 400 invalid field or malformed
 JSON, 404 unknown model, 413 oversized body, 503 (with ``Retry-After``) when the model is
@@ -70,6 +71,7 @@ from deployments.reporting import ActorLink, PeriodicTask, replica_source, signa
 from deployments.window import SlidingWindow
 from policies.admission import CRITICALITY_HEADER, Criticality
 from policies.config import DegradationConfig, PolicyError, parse_policy
+from policies.feature_cost import merge, rank
 from policies.service import start_view
 from policies.features import PolicyView
 from policies.shaping import NO_SHAPING, REQUEST_FIELDS, SHAPED_HEADER, TOKEN_CAP_FIELDS, ShapingPlan, shape
@@ -353,6 +355,18 @@ def _key_text(messages: list[dict[str, str]] | None, prompt: str | None) -> str:
     return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
 
 
+FEATURES_DESCRIPTION = """Each optional feature's cost and how often it is off, ranked: the first row is
+the most expensive feature (cost_ms: (latency_ms_per_call + cpu_ms_per_call) x calls), ties broken by how
+often it was turned off, then how long it was off. Figures under "window" cover the last window_s
+(300 s); the others are since start. Per row: feature, rank; off (now) and cause (level or override);
+calls, failures (errors and time-outs), latency_ms_per_call (the stage's wall time as this ingress
+replica saw it), cpu_ms_per_call (CPU the worker measured, over cpu_calls), cost_ms; disabled_s and
+turned_off (with turned_off_by_cause), from the policy actor (all replicas); bypassed: stages not run
+for a request on this replica, by cause (level, override, error, timeout, breaker). Calls, latency,
+CPU and bypasses are this ingress replica's (each replica keeps its own); off-time is the actor's.
+Admin token required (X-Brownout-Admin-Token), as for every /admin route."""
+
+
 def _batch_caller(handles: Mapping[str, Any], local: Mapping[str, Enrichment]) -> BatchCall:
     """Host None: the workers in this process, no RPC; else one handle call to that deployment."""
 
@@ -454,6 +468,8 @@ class Ingress:
         rank = _replica_rank()
         outcomes = ServeCounter("brownout_stage_outcomes", "Optional stages not run as asked, by outcome",
                                 tag_keys=("feature", "outcome"))
+        bypasses = ServeCounter("brownout_feature_bypassed", "Optional stages not run for a request, by cause "
+                                "(level, override, error, timeout, breaker)", tag_keys=("feature", "cause"))
         self.pipeline = Pipeline(
             features,
             _batch_caller(handles, by_feature),
@@ -462,6 +478,7 @@ class Ingress:
             default_timeout_s=self.settings.stage_timeout_s,
             settings=local_settings,
             on_outcome=lambda feature, outcome: outcomes.inc(tags={"feature": feature, "outcome": outcome}),
+            on_bypass=lambda feature, cause: bypasses.inc(tags={"feature": feature, "cause": cause}),
             breaker=self.settings.breaker,
         )
         # Until the policy actor answers, serve at the start level (the most degraded by default):
@@ -600,6 +617,7 @@ class Ingress:
         """The parts of the policy the ingress enforces itself, per request: admission, shaping."""
         self.gate.configure(config)
         self.shaping = ShapingPlan.from_config(config)
+        self.pipeline.off_levels = config.off_levels()  # tells a level's bypass from an override's
 
     # -- request helpers -----------------------------------------------------------------------
 
@@ -994,6 +1012,25 @@ class Ingress:
     @api.delete("/admin/brownout/override", responses=ERROR_RESPONSES)
     async def admin_clear(self, request: Request, level: bool = False, feature: str | None = None) -> Response:
         return await self._admin(request, "clear_override", level=level, feature=feature)
+
+    @api.get("/admin/brownout/features", responses=ERROR_RESPONSES,
+             description=FEATURES_DESCRIPTION)
+    async def admin_features(self, request: Request) -> Response:
+        response = await self._admin(request, "get_state")
+        if response.status_code != 200:
+            return response
+        state = json.loads(response.body)
+        clock = state.get("feature_time") or {}
+        costs = self.pipeline.costs()
+        rows = rank(merge(costs, clock, self.pipeline.bypass_counts()))
+        return JSONResponse({
+            "features": rows,
+            "window_s": self.pipeline.cost.window_s,
+            "ranked_by": "window cost_ms, then window turned_off, then window disabled_s; ties: the "
+                         "same since start",
+            "level": state.get("level"),
+            "replica": {"pid": os.getpid(), "costs": "this ingress replica since its start"},
+        })
 
     @api.get("/admin/brownout/enrichments", responses=ERROR_RESPONSES)
     async def admin_enrichments(self, request: Request) -> Response:

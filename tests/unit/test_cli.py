@@ -431,3 +431,26 @@ def test_usage_errors_are_exit_2_and_send_nothing(argv: list[str]) -> None:
 def test_help_is_exit_0(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["--help"]) == 0
     assert "exit codes" in capsys.readouterr().out
+
+
+def test_features_prints_the_servers_cost_ranking_first_row_first() -> None:
+    """The shape ``GET /admin/brownout/features`` answers with (policies.feature_cost.rank)."""
+    from policies.feature_cost import FeatureCost, merge, rank
+
+    cost = FeatureCost()
+    for _ in range(5):
+        cost.record("semantic_cache_lookup", 1.0, 0.300, 0.010)
+        cost.record("ab_test", 1.0, 0.002, 0.001)
+    clock = {"debug_capture": {"off": True, "cause": "level", "disabled_s": 40.0, "turned_off": {"level": 2},
+                               "disabled_s_window": 40.0, "turned_off_window": {"level": 2}}}
+    rows = rank(merge(cost.snapshot(1.0), clock, {"ab_test": {"override": 1}}))
+    doc = {"features": rows, "window_s": 300.0}
+    admin = FakeAdmin(features=doc)
+    code, out = run(["features"], admin)
+    assert code == 0, out
+    lines = [line for line in out.splitlines() if line.strip()]
+    body = [line.split() for line in lines if line.split()[0].isdigit()]
+    assert [b[1] for b in body] == ["semantic_cache_lookup", "ab_test", "debug_capture"]
+    assert "last 5 min" in out and "off (level)" in out and "override 1" in out
+    code, out = run(["features", "--json"], FakeAdmin(features=doc))
+    assert code == 0 and json.loads(out)["features"][0]["feature"] == "semantic_cache_lookup"
