@@ -56,8 +56,9 @@ its CPU time charged to the call); the cache arrays are touched only on the even
 between awaits, so they need no lock.
 
 ``embed_delay_ms`` (default 0: off) is a test and benchmark setting, never a production one:
-every embedding (lookup and write) waits that long in its worker thread first, as a slower
-embedding model would. The integration test of the cost ranking sets it to make the cache the
+every lookup and every write call waits that long in a worker thread first, as embedding its
+question with a slower model would (even where the real embedding is then skipped: an empty
+scope, an incomplete answer), so the cost is there whatever the answers are. The integration test of the cost ranking sets it to make the cache the
 most expensive feature; a negative value is a config error naming the key and the value.
 """
 
@@ -238,6 +239,8 @@ class SemanticCache(Enrichment):
         self._incomplete = self._too_long = 0
 
     async def _call(self, feature: str, payload: dict[str, Any]) -> dict[str, Any]:
+        if self.embed_delay_s > 0:
+            await offload(time.sleep, self.embed_delay_s)  # embed_delay_ms: a test setting (module docstring)
         if feature == "semantic_cache_lookup":
             return await self._lookup(payload)
         stored = 0
@@ -253,8 +256,6 @@ class SemanticCache(Enrichment):
         if window is not None and count(key) > window:
             return None, 0
         tokens = count(question) if count is not None else len(_WORDS.findall(question))
-        if self.embed_delay_s > 0:
-            time.sleep(self.embed_delay_s)  # embed_delay_ms: a test setting (module docstring)
         vec = np.asarray(self.embedder.encode([key]), dtype=np.float32).reshape(-1)
         norm = float(np.linalg.norm(vec))
         return (vec / norm if norm > 0 else vec), tokens
@@ -380,6 +381,7 @@ class SemanticCache(Enrichment):
             "not_cached_too_long": self._too_long,
             "evictions": self._evictions,
             "expired_replaced": self._expirations,
+            **({"embed_delay_ms": self.embed_delay_s * 1000.0} if self.embed_delay_s > 0 else {}),
         }
 
 

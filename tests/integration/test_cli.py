@@ -2,7 +2,9 @@
 
 Acceptance (issue 13): ``brownout status`` prints the level and its reason; ``brownout override
 --level 2 --ttl 30s`` is in force at once (within one policy tick) and gone after 30 s;
-``--json`` output parses; the exit codes say what went wrong.
+``--json`` output parses; the exit codes say what went wrong; with the semantic cache's
+embedding slowed (``embed_delay_ms``, a test setting), ``brownout features`` ranks a cache
+feature first by cost.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.conftest import ROOT, Cluster, free_port
+from tests.integration.conftest import ROOT, Cluster, free_port, wait_running
 
 pytestmark = pytest.mark.integration
 
@@ -110,3 +112,64 @@ def test_exit_codes_say_what_went_wrong(deployed: Cluster) -> None:
     assert bad.returncode == 2 and "no_such_feature" in bad.stderr
     too_long = brownout(deployed, "override", "--level", "1", "--ttl", "2h")
     assert too_long.returncode == 2 and "ttl_s" in too_long.stderr
+
+
+def _cache_delay(cluster: Cluster) -> float | None:
+    """The running SemanticCache replica's embed_delay_ms (0.0: off; None: no answer yet)."""
+    import httpx
+
+    r = httpx.get(cluster.base_url + "/admin/brownout/enrichments", headers=cluster.headers, timeout=30)
+    if r.status_code != 200:
+        return None
+    stats = ((r.json().get("SemanticCache") or {}).get("enrichments") or {}).get("semantic_cache") or {}
+    return stats.get("embed_delay_ms", 0.0)
+
+
+def _deploy_and_wait(cluster: Cluster, config: dict[str, Any], name: str, delay_ms: float) -> None:
+    out = cluster.serve_deploy(config, name)
+    assert out.returncode == 0, out.stderr + out.stdout
+    deadline = time.monotonic() + 300
+    while _cache_delay(cluster) != delay_ms:  # the new SemanticCache replica answers
+        assert time.monotonic() < deadline, f"embed_delay_ms={delay_ms} never took effect"
+        time.sleep(2)
+    wait_running()
+
+
+def test_features_ranks_the_slowed_semantic_cache_first_by_cost(deployed: Cluster) -> None:
+    import httpx
+
+    from tests.integration.test_brownout import CHAT, MODEL
+
+    config = deployed.config()
+    config["applications"][0]["args"]["enrichments"]["settings"] = {"semantic_cache": {"embed_delay_ms": 300}}
+    _deploy_and_wait(deployed, config, "slow-embedding.yaml", 300.0)
+    try:
+        assert brownout(deployed, "override", "--level", "0", "--ttl", "120s", "--note", "cost test").returncode == 0
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                "max_tokens": 8, "user": "user-0007"}
+        with deployed.client(timeout=120) as http:
+            for _ in range(8):
+                r = http.post(CHAT, json=body)
+                assert r.status_code == 200, r.text
+                assert r.headers["X-Brownout-Level"] == "0"
+        out = brownout(deployed, "features", "--json")
+        assert out.returncode == 0, out.stderr
+        doc = json.loads(out.stdout)
+        rows = doc["features"]
+        first = rows[0]
+        assert first["feature"].startswith("semantic_cache"), [(r["feature"], r["window"]["cost_ms"]) for r in rows]
+        assert first["rank"] == 1 and first["window"]["calls"] >= 8
+        assert first["window"]["latency_ms_per_call"] >= 300, first
+        assert [r["window"]["cost_ms"] for r in rows] == sorted((r["window"]["cost_ms"] for r in rows), reverse=True)
+        lookup = next(r for r in rows if r["feature"] == "semantic_cache_lookup")
+        assert lookup["cpu_calls"] >= 1  # the worker reported its CPU time
+        # the table: the same first line
+        table = brownout(deployed, "features", "--plain")
+        assert table.returncode == 0, table.stderr
+        numbered = [line.split() for line in table.stdout.splitlines() if line.split() and line.split()[0] == "1"]
+        assert numbered and numbered[0][1] == first["feature"], table.stdout
+        # the route is admin-only, as every /admin route
+        assert httpx.get(deployed.base_url + "/admin/brownout/features", timeout=30).status_code in (401, 403)
+    finally:
+        brownout(deployed, "release")
+        _deploy_and_wait(deployed, deployed.config(), "restored.yaml", 0.0)
