@@ -287,8 +287,12 @@ def gpus(container: Mapping[str, Any]) -> dict[str, Any]:
 def mounts(group: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """mountPath -> the volume mounted there, for the group's Ray container."""
     volumes = {v["name"]: v for v in group["template"]["spec"].get("volumes", [])}
-    return {m["mountPath"]: {**volumes[m["name"]], "mount": m}
-            for m in ray_container(group).get("volumeMounts", [])}
+    out = {}
+    for m in ray_container(group).get("volumeMounts", []):
+        # the Pod would be refused (KubeRay could not create it): the CRD's schema cannot see this
+        assert m["name"] in volumes, f"volumeMount {m['mountPath']} names no volume {m['name']!r} of its pod"
+        out[m["mountPath"]] = {**volumes[m["name"]], "mount": m}
+    return out
 
 
 def mount_holding(group: Mapping[str, Any], path: str) -> dict[str, Any] | None:
