@@ -25,6 +25,15 @@ on the fresh values but will not recover on a blind spot (fail-static). A signal
 on a CPU machine): it neither triggers nor blocks recovery. Sources silent for ``forget_after_s``
 are dropped, so a replica that was scaled away stops pinning its signals as stale forever.
 
+Folding in two steps gives the same snapshot as one: a sum of per-node sums is the cluster sum,
+a max of per-node maxes the cluster max, and a signal stale on a node is stale in the node's
+report (`Signals.report_args`) and so in the cluster. A node-level reporter can therefore keep an
+`Aggregator` of its own replicas and send the policy actor one report per node instead of one
+per replica (issue 14: at 1,000 replicas the per-replica reports, not the fold, are what a single
+actor cannot keep up with; ``bench/policy_scale.py --per-node``). What the top level no longer
+sees is each replica: ``sources`` counts nodes there, and a replica that went silent is stale
+within its node's fold, not in the actor's list of sources.
+
 No clock is read here: every method takes ``now``.
 """
 
@@ -45,6 +54,12 @@ class Signals:
     values: Mapping[str, float] = field(default_factory=dict)
     stale: frozenset[str] = frozenset()
     sources: int = 0
+
+    def report_args(self) -> tuple[dict[str, float], list[str]]:
+        """This snapshot as one report's ``(signals, stale)``, the arguments of the policy actor's
+        ``report(source, signals, stale)``: a node's fold sent on as one source. A stale signal
+        keeps its fresh value (escalation still acts on it) and is named stale (recovery does not)."""
+        return dict(self.values), sorted(self.stale)
 
     def to_dict(self) -> dict[str, object]:
         return {

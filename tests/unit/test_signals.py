@@ -95,3 +95,44 @@ def test_every_signal_is_folded_by_its_rule(name: str) -> None:
 def test_bad_windows_rejected() -> None:
     with pytest.raises(ValueError, match="stale_after_s"):
         Aggregator(stale_after_s=10, forget_after_s=5)
+
+
+def test_a_fold_per_node_then_over_nodes_equals_one_fold_over_all_replicas() -> None:
+    """Per-node reporting (issue 14): each node folds its replicas, the actor folds the nodes'
+    reports (`Signals.report_args`); values and stale names are those of one flat fold."""
+    import random
+
+    rng = random.Random(7)
+    now = 100.0
+    replicas = []
+    for i in range(60):
+        names = rng.sample(SIGNALS, rng.randint(1, 5))
+        values = {n: float(rng.randint(0, 9)) if AGGREGATION[n] == "sum" else rng.uniform(0, 1) for n in names}
+        failed = frozenset(rng.sample(names, 1)) if i % 17 == 0 else frozenset()
+        at = now - 10.0 if i % 13 == 0 else now - rng.uniform(0, 1)  # some old: stale, not summed
+        replicas.append(Report(f"r{i}", at, values, failed))
+    flat = Aggregator(stale_after_s=5)
+    for r in replicas:
+        flat.add(r)
+    top = Aggregator(stale_after_s=5)
+    for node in range(6):
+        local = Aggregator(stale_after_s=5)
+        for r in replicas[node::6]:
+            local.add(r)
+        values, stale = local.aggregate(now).report_args()
+        top.add(Report(f"node{node}", now, values, frozenset(stale)))
+    want, got = flat.aggregate(now), top.aggregate(now)
+    assert got.values.keys() == want.values.keys()
+    for name, value in want.values.items():
+        assert got.values[name] == pytest.approx(value)
+    assert got.stale == want.stale and want.stale  # some were stale, and stay so through the nodes
+    assert got.sources == 6 and want.sources == len([r for r in replicas if r.at >= now - 5])
+
+
+def test_report_args_are_what_the_actor_takes() -> None:
+    agg = Aggregator(stale_after_s=5)
+    agg.add(Report("a", 9.0, {"queue_length": 2, "gpu_util": 0.4}, frozenset({"gpu_util"})))
+    agg.add(Report("b", 9.5, {"queue_length": 1}))
+    values, stale = agg.aggregate(10.0).report_args()
+    assert values == {"queue_length": 3, "gpu_util": 0.4} and stale == ["gpu_util"]
+    Report("node", 10.0, values, frozenset(stale))  # valid as one report
