@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -67,7 +68,9 @@ class ActorLink:
         return {"failures": self.failures, "skipped": self.skipped, "pending": self.pending,
                 "backoff_s": self.backoff_s, "retry_in_s": round(max(0.0, self._retry_at - self._clock()), 3)}
 
-    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    async def call(self, method: str, *args: Any, call_timeout_s: float | None = None, **kwargs: Any) -> Any:
+        """``method(*args, **kwargs)`` on the actor; ``call_timeout_s`` (default ``timeout_s``)
+        for a call that is meant to wait, e.g. the long-poll ``watch``."""
         now = self._clock()
         if now < self._retry_at:
             self.skipped += 1
@@ -79,7 +82,7 @@ class ActorLink:
         ref: Any = None
         try:
             ref = getattr(self.handle(), method).remote(*args, **kwargs)
-            result = await asyncio.wait_for(ref, timeout=self.timeout_s)
+            result = await asyncio.wait_for(ref, timeout=self.timeout_s if call_timeout_s is None else call_timeout_s)
         except Exception as err:
             self.failures += 1
             timed_out = isinstance(err, (asyncio.TimeoutError, TimeoutError))
@@ -122,12 +125,17 @@ def _actor_gone(err: BaseException) -> bool:
 class PeriodicTask:
     """Runs ``step()`` every ``interval_s`` in the background; failures counted, never raised."""
 
-    def __init__(self, name: str, step: Callable[[], Awaitable[Any]], interval_s: float) -> None:
+    def __init__(self, name: str, step: Callable[[], Awaitable[Any]], interval_s: float,
+                 failure_sleep_s: float = 0.0) -> None:
         self.name = name
         self._step = step
         self.interval_s = interval_s
+        # after a failure, wait at least this long (a step that itself waits, such as a
+        # long-poll, runs with interval 0 and must not spin while its link backs off)
+        self.failure_sleep_s = failure_sleep_s
         self.runs = 0
         self.failures = 0
+        self.skipped = 0  # steps that chose to send nothing (an unchanged report)
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -136,6 +144,7 @@ class PeriodicTask:
 
     async def _loop(self) -> None:
         while True:
+            pause = self.interval_s
             try:
                 await self._step()
                 self.runs += 1
@@ -143,7 +152,8 @@ class PeriodicTask:
                 raise
             except Exception:  # noqa: BLE001 - counted; ActorLink logs the cause
                 self.failures += 1
-            await asyncio.sleep(self.interval_s)
+                pause = max(pause, self.failure_sleep_s)
+            await asyncio.sleep(pause)
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -155,25 +165,42 @@ class PeriodicTask:
             self._task = None
 
 
+HEARTBEAT_S = 1.0  # an unchanged report is sent again after this long (well under stale_after_s)
+
+
 def signal_reporter(
-    link: ActorLink, source: str, collect: Callable[[], Mapping[str, float | None]], interval_s: float = 0.25
+    link: ActorLink, source: str, collect: Callable[[], Mapping[str, float | None]], interval_s: float = 0.25,
+    heartbeat_s: float = HEARTBEAT_S, clock: Callable[[], float] = time.monotonic,
 ) -> PeriodicTask:
     """A `PeriodicTask` sending ``collect()`` to the policy actor as ``source``.
 
     A signal ``collect`` gives as None is one the replica tried to read and could not: it is
     sent as stale (the actor counts it and will not recover on it), never silently left out.
+
+    Sent only on change: a report equal to the last one sent is skipped (counted in the task's
+    ``skipped``) until ``heartbeat_s`` has passed since that was sent, then sent again so the
+    actor does not take a quiet replica for a silent one (``stale_after_s``, default 5 s, is
+    well above the heartbeat). An idle replica costs the actor one call a second instead of
+    four; a change goes out at the next interval as before.
     """
+    last: list[Any] = [None, -math.inf]  # what was last sent, when
 
     async def step() -> None:
         collected = collect()
         signals = {k: float(v) for k, v in collected.items() if v is not None}
         stale = sorted(k for k, v in collected.items() if v is None)
+        now = clock()
+        if (signals, stale) == last[0] and now - last[1] < heartbeat_s:
+            task.skipped += 1
+            return
         if stale:
             await link.call("report", source, signals, stale)
         else:
             await link.call("report", source, signals)
+        last[0], last[1] = (signals, stale), now
 
-    return PeriodicTask(f"report:{source}", step, interval_s)
+    task = PeriodicTask(f"report:{source}", step, interval_s)
+    return task
 
 
 def replica_source(default: str) -> str:

@@ -4,10 +4,18 @@ Name ``brownout-policy`` in namespace ``brownout`` (`ACTOR_NAME`, `ACTOR_NAMESPA
 restarted by Ray without limit. Replicas obtain it with `get_or_create_policy_actor`; Serve
 replicas run in namespace "serve", so the namespace is always passed explicitly.
 
-Every replica reports its signals with ``report(source, signals)`` on a timer; the actor keeps
-the latest report per source (`policies.signals.Aggregator`), and every ``tick_s`` (250 ms)
-runs ``decide()``. Each level change is logged as one JSON line and kept in a bounded history.
-Readers (ingress replicas) poll ``view()`` in the background, never per request.
+Every replica reports its signals with ``report(source, signals)`` (or a node's batch with
+``report_many``) on a timer; the actor keeps the latest report per source
+(`policies.signals.Aggregator`), and every ``tick_s`` (250 ms) runs ``decide()``. Each level
+change is logged as one JSON line and kept in a bounded history.
+
+The control path is one tick long. A report whose values alone reach a trigger above the
+policy level (`PolicyCore.may_escalate`) wakes the loop to decide at once (at most one early
+tick per ``MIN_TICK_GAP_S``) instead of at the next tick. Readers (ingress replicas) follow the
+view by long-poll, in the background, never per request: ``watch(seq)`` answers as soon as the
+view's sequence number moves (a tick's decision, an operator's pin or override, a new policy)
+and otherwise after its timeout, so a new level reaches every reader within one call's latency
+of the decision rather than after three free-running timers (report, tick, poll).
 
 The behaviour lives in `policies.service.PolicyCore` (no Ray); this module adds the tick loop,
 Ray metrics and persistence in Ray's internal KV store.
@@ -17,7 +25,7 @@ every change and read back in ``__init__``, so an actor restarted by Ray comes b
 policy and the same pins. Signals and dwell timers are not restored: they rebuild from fresh
 reports within ``stale_after_s``, and until then the restored level holds (fail-static).
 
-Remote methods: ``report``, ``view``, ``get_state``, ``set_override``, ``clear_override``,
+Remote methods: ``report``, ``report_many``, ``view``, ``watch``, ``get_state``, ``set_override``, ``clear_override``,
 ``update_config``, ``get_config``, ``history``.
 
 Metrics (Ray's metrics export; Prometheus adds the ``ray_`` prefix; ``docs/OPERATIONS.md`` lists
@@ -61,7 +69,10 @@ from policies.service import PolicyCore, threshold_table
 
 ACTOR_NAME = "brownout-policy"
 ACTOR_NAMESPACE = "brownout"
+HEAD_RESOURCE = "node:__internal_head__"  # Ray's resource that only the head node has
 # brownout_policy_tick_ms buckets: a tick is well under a millisecond at rest; 250 ms is the tick
+# a report that may escalate wakes the tick loop early, at most once per this many seconds
+MIN_TICK_GAP_S = 0.02
 TICK_MS_BOUNDARIES = [0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0]
 KV_KEY = b"brownout-policy/persisted"
 KV_NAMESPACE = "brownout"
@@ -202,8 +213,12 @@ class PolicyActor:
         initial = parse_policy(config) if config else default_policy()
         self.core = PolicyCore(initial, persist=_kv_put, restore=_kv_get, on_transition=self.metrics.transition)
         self._task: asyncio.Task[None] | None = None
+        self._changed: asyncio.Event | None = None  # set (and replaced) whenever the view changes
+        self._wake: asyncio.Event | None = None  # a report that may escalate: tick now
+        self.early_ticks = 0
 
     async def _loop(self) -> None:
+        assert self._wake is not None
         while True:
             started = time.perf_counter()
             try:
@@ -212,21 +227,67 @@ class PolicyActor:
             except Exception:  # noqa: BLE001 - the loop must outlive any one bad tick
                 self.metrics.tick_failed()
                 logger.exception("policy tick failed")
-            await asyncio.sleep(self.tick_s)
+            self._published()
+            # the next tick after tick_s, or sooner when a report may escalate (at most one
+            # early tick per MIN_TICK_GAP_S, so a storm of hot reports costs few ticks)
+            await asyncio.sleep(MIN_TICK_GAP_S)
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), max(0.0, self.tick_s - MIN_TICK_GAP_S))
+                self.early_ticks += 1
+            except asyncio.TimeoutError:
+                pass
 
     def _ensure_loop(self) -> None:
         if self._task is None or self._task.done():
+            self._changed = self._changed or asyncio.Event()
+            self._wake = self._wake or asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    def _published(self) -> None:
+        """Wake every reader waiting in `watch` if the view changed."""
+        if self.core.publish() and self._changed is not None:
+            self._changed.set()
+            self._changed = asyncio.Event()
+
+    def _reported(self, ok: bool, signals: Mapping[str, float], stale: list[str] | None) -> bool:
+        self.metrics.report(ok, bool(stale))
+        if ok and self._wake is not None and self.core.may_escalate(signals):
+            self._wake.set()
+        return ok
 
     async def report(self, source: str, signals: dict[str, float], stale: list[str] | None = None) -> bool:
         self._ensure_loop()
-        ok = self.core.report(source, signals, stale or ())
-        self.metrics.report(ok, bool(stale))
-        return ok
+        return self._reported(self.core.report(source, signals, stale or ()), signals, stale)
+
+    async def report_many(self, batch: list[tuple[str, dict[str, float], list[str]]]) -> int:
+        """Many replicas' reports in one call (`deployments.reporting.ReportBatcher`: one call per
+        node and interval instead of one per replica); returns how many were kept."""
+        self._ensure_loop()
+        kept = 0
+        for source, signals, stale in batch:
+            kept += self._reported(self.core.report(source, signals, stale or ()), signals, stale)
+        return kept
 
     async def view(self) -> PolicyView:
         self._ensure_loop()
         return self.core.view()
+
+    async def watch(self, seq: int, timeout_s: float = 5.0) -> tuple[int, PolicyView]:
+        """Long-poll: ``(view_seq, view)`` as soon as ``view_seq`` differs from ``seq`` (at once if
+        it already does), else after ``timeout_s`` (at most 30 s) with the view unchanged. A
+        reader passes back the seq it got, so a change reaches it within one tick of the
+        decision, instead of after its own poll interval. A restarted actor counts from 1 again:
+        any seq not its own is answered at once."""
+        self._ensure_loop()
+        assert self._changed is not None
+        if self.core.view_seq == seq:
+            changed = self._changed
+            try:
+                await asyncio.wait_for(changed.wait(), min(max(float(timeout_s), 0.0), 30.0))
+            except asyncio.TimeoutError:
+                pass
+        return self.core.view_seq, self.core.view()
 
     async def get_state(self) -> dict[str, Any]:
         self._ensure_loop()
@@ -237,19 +298,24 @@ class PolicyActor:
         self._ensure_loop()
         result = self.core.set_override(level=level, feature=feature, enabled=enabled, ttl_s=ttl_s, note=note)
         self.metrics.account(self.core)  # an override's turn-off is counted now, not at the next tick
+        self._published()
         return result
 
     async def clear_override(self, level: bool = False, feature: str | None = None) -> dict[str, Any]:
         self._ensure_loop()
         result = self.core.clear_override(level=level, feature=feature)
         self.metrics.account(self.core)
+        self._published()
         return result
 
     async def update_config(self, document: dict[str, Any], batch_slots: int | None = None,
                             origin: str = "operator") -> dict[str, Any]:
         """See `PolicyCore.update_config`: an operator's call always applies; a deployed
         document (``origin="deploy"``) only when it changed since the last deploy."""
-        return self.core.update_config(document, batch_slots, origin)
+        self._ensure_loop()
+        result = self.core.update_config(document, batch_slots, origin)
+        self._published()
+        return result
 
     async def get_config(self) -> dict[str, Any]:
         return {"config": self.core.config.model_dump(mode="json"), "config_version": self.core.config_version,
@@ -263,6 +329,9 @@ def get_or_create_policy_actor(config: Mapping[str, Any] | None = None) -> Any:
     """The shared actor handle, creating it (detached) if no replica has yet."""
     handle = PolicyActor.options(  # type: ignore[attr-defined]
         name=ACTOR_NAME, namespace=ACTOR_NAMESPACE, lifetime="detached", get_if_exists=True,
+        # On the head node, wherever the replica that creates it runs: the head lives as long
+        # as the cluster, a worker node (a GPU node scaled away, a spot instance) may not.
+        resources={HEAD_RESOURCE: 0.001},
     ).remote(dict(config) if config else None)
     return handle
 

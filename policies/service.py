@@ -219,6 +219,13 @@ class PolicyCore:
         # The clock's starting state is the restored one: whatever is off now was not "turned
         # off" by this actor, and an override set before the first tick is an edge.
         self._account(self.clock())
+        # Readers follow the view by long-poll (`view_seq`, `publish`): the sequence number moves
+        # whenever what a reader acts on (level, features, policy version) changes.
+        self.view_seq = 0
+        self._view_key: tuple[object, ...] | None = None
+        self._floor_key: tuple[int, int] | None = None
+        self._floor: dict[str, float] = {}
+        self.publish()
 
     # -- persistence ---------------------------------------------------------------------------
 
@@ -274,6 +281,38 @@ class PolicyCore:
             logger.exception("could not restore persisted policy state; starting from the default")
 
     # -- signals and ticks ---------------------------------------------------------------------
+
+    def publish(self) -> bool:
+        """Move ``view_seq`` if the view changed since the last call; True if it did.
+
+        Called after every change (tick, operator call, policy update): a reader waiting on
+        ``view_seq`` (the actor's ``watch``) is answered at once instead of at its next poll.
+        """
+        now = self.clock()
+        key = (int(self.state.level), enabled_features(self.config, self.state, now), self.config_version)
+        if key == self._view_key:
+            return False
+        self._view_key = key
+        self.view_seq += 1
+        return True
+
+    def may_escalate(self, values: Mapping[str, float]) -> bool:
+        """Whether one report's values alone reach a trigger of a level above the policy level:
+        the actor then decides at once instead of at its next tick. A cheap, partial check (a
+        sum over replicas can cross with no one report crossing: the regular tick sees that)."""
+        key = (int(self.state.policy_level), self.config_version)
+        if key != self._floor_key:
+            floor: dict[str, float] = {}
+            for lv in range(int(self.state.policy_level) + 1, 4):
+                for name, value in self.config.trigger_thresholds(lv).items():
+                    floor[name] = min(value, floor.get(name, math.inf))
+            self._floor_key, self._floor = key, floor
+        floor = self._floor
+        return any(name in floor and v >= floor[name] for name, v in values.items())
+
+    def report_many(self, batch: Sequence[tuple[str, Mapping[str, float], Sequence[str]]]) -> int:
+        """Several replicas' reports in one call (a node's batch); returns how many were kept."""
+        return sum(1 for source, values, stale in batch if self.report(source, values, stale))
 
     def report(self, source: str, values: Mapping[str, float], stale: Sequence[str] = ()) -> bool:
         """Keep one replica's report; ``stale``: signals it could not read (counted, and stale)."""

@@ -28,8 +28,8 @@ each 400, so the bodies are declared with ``openapi_extra`` from the same pydant
 routes validate with.
 
 Optional work runs through `serve_app.pipeline.Pipeline`, gated by a `PolicyView` that a
-background task refreshes from the policy actor every ``refresh_s``; no request ever waits on
-the actor. Features whose worker runs in the ingress process (`Worker.host` None) are built
+background task follows by long-poll (the policy actor's ``watch``: answered as soon as the view
+changes); no request ever waits on the actor. Features whose worker runs in the ingress process (`Worker.host` None) are built
 here; the others are reached through one handle per enrichment deployment. Every response
 carries ``X-Brownout-Level`` and ``X-Brownout-Bypassed``.
 """
@@ -132,7 +132,10 @@ class PipelineSettings(BaseModel):
 
     stage_timeout_s: float = Field(default=1.0, gt=0, description="timeout of one enrichment call")
     stage_timeouts_s: dict[str, float] = Field(default_factory=dict, description="per-feature timeouts")
-    refresh_s: float = Field(default=0.25, gt=0, description="how often the level is refreshed")
+    refresh_s: float = Field(default=0.25, gt=0, description="after a failed watch of the policy actor, wait "
+                             "this long before the next (the level itself arrives by long-poll, at once)")
+    watch_s: float = Field(default=5.0, gt=0, le=30, description="one long-poll of the policy actor's view "
+                           "waits at most this long for a change before it answers with the view unchanged")
     report_s: float = Field(default=0.25, gt=0, description="how often signals are reported")
     drain_s: float = Field(default=1.0, gt=0, description="how often deferred records are drained")
     model_probe_s: float = Field(default=1.0, gt=0, description="how often the model's engine health is probed")
@@ -487,6 +490,7 @@ class Ingress:
         self._pending_policy: dict[str, Any] | None = None  # a deployed policy the actor has not taken yet
         self._push_task: asyncio.Task[None] | None = None
         self.view_fetched_at = 0.0
+        self._view_seq = -1  # the actor's view_seq of self.view (-1: none yet, answered at once)
         self.enrichment_handles = handles
         if policy_link is None:
             from policies.actor import get_or_create_policy_actor
@@ -507,7 +511,7 @@ class Ingress:
                                          "1 half-open, 2 open", tag_keys=("feature",))
         _level_source.append(lambda: int(self.view.level))  # the error backstop's level header
         self.tasks = [
-            PeriodicTask("refresh-level", self._refresh, self.settings.refresh_s),
+            PeriodicTask("follow-level", self._refresh, 0.0, failure_sleep_s=self.settings.refresh_s),
             signal_reporter(self.policy, source, self._signals, self.settings.report_s),
             PeriodicTask("drain-deferred", self._drain, self.settings.drain_s),
             PeriodicTask("probe-model", self._probe_model, self.settings.model_probe_s),
@@ -518,7 +522,10 @@ class Ingress:
     # -- background ----------------------------------------------------------------------------
 
     async def _refresh(self) -> None:
-        view = await self.policy.call("view")
+        """One long-poll of the policy actor (``watch``): back as soon as the view changes (or
+        after ``watch_s`` unchanged), so a new level is served within one call of the decision."""
+        seq, view = await self.policy.call("watch", self._view_seq, self.settings.watch_s,
+                                           call_timeout_s=self.settings.watch_s + 2.0)
         if not isinstance(view, PolicyView):
             raise TypeError(f"the policy actor sent {type(view).__name__}, not a PolicyView")
         if view.config_version != self.policy_version:
@@ -527,7 +534,7 @@ class Ingress:
             doc = await self.policy.call("get_config")
             self._apply_policy(parse_policy(doc["config"]))
             self.policy_version = doc["config_version"]
-        self.view, self.view_fetched_at = view, time.time()
+        self.view, self.view_fetched_at, self._view_seq = view, time.time(), int(seq)
         self.gate.set_level(int(view.level))  # admission uses the service model measured at this level
 
     def _signals(self) -> dict[str, float]:

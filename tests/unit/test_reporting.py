@@ -212,3 +212,60 @@ def test_reporter_survives_a_dead_actor() -> None:
 
     reporter = asyncio.run(run())
     assert reporter.failures >= 3 and link.failures >= 3 and actor.reports
+
+
+def test_an_unchanged_report_is_sent_again_only_after_the_heartbeat() -> None:
+    actor = FakeActor()
+    link = ActorLink(lambda: actor)
+    now = [0.0]
+    values: dict[str, float | None] = {"queue_length": 1.0}
+    task = signal_reporter(link, "model:a", lambda: dict(values), interval_s=0.25, heartbeat_s=1.0,
+                           clock=lambda: now[0])
+
+    async def run() -> None:
+        for _ in range(4):  # 0, 0.25, 0.5, 0.75 s: one report, three skipped
+            await task._step()
+            now[0] += 0.25
+        await task._step()  # 1.0 s: the heartbeat
+        values["queue_length"] = 2.0
+        now[0] += 0.25
+        await task._step()  # changed: sent at once
+        values["queue_length"] = None  # a failed read is a change too, sent as stale
+        now[0] += 0.25
+        await task._step()
+
+    asyncio.run(run())
+    assert [r[1] for r in actor.reports] == [{"queue_length": 1.0}, {"queue_length": 1.0},
+                                             {"queue_length": 2.0}, {}]
+    assert actor.reports[-1][2] == ["queue_length"] and task.skipped == 3
+
+
+def test_a_call_may_wait_longer_than_the_links_timeout_when_asked() -> None:
+    actor = FakeActor()
+    actor.delay_s = 0.3
+    link = ActorLink(lambda: actor, timeout_s=0.1)
+
+    async def run() -> None:
+        assert await link.call("watch", 0, 5.0, call_timeout_s=1.0) == {"ok": True, "method": "watch"}
+        link._retry_at = 0.0
+        with pytest.raises(asyncio.TimeoutError):
+            await link.call("watch", 0, 5.0)
+
+    asyncio.run(run())
+
+
+def test_a_failing_step_with_no_interval_does_not_spin() -> None:
+    calls: list[float] = []
+
+    async def step() -> None:
+        calls.append(asyncio.get_running_loop().time())
+        raise RuntimeError("actor down")
+
+    async def run() -> None:
+        task = PeriodicTask("follow-level", step, 0.0, failure_sleep_s=0.05)
+        task.start()
+        await asyncio.sleep(0.22)
+        await task.stop()
+
+    asyncio.run(run())
+    assert 3 <= len(calls) <= 6  # one try per 50 ms, not thousands

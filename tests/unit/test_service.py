@@ -189,3 +189,46 @@ def test_a_replica_that_has_not_heard_from_the_actor_serves_at_its_start_level()
     assert "ab_test" not in v.enabled and "audit_log" not in v.enabled and "semantic_cache_lookup" not in v.enabled
     assert critical <= v.enabled and v.config_version == 0 and v.mode("audit_log").value == "defer"
     assert "ab_test" in start_view(config, 0).enabled
+
+
+def test_view_seq_moves_exactly_when_what_a_reader_acts_on_changes() -> None:
+    """The long-poll (`PolicyActor.watch`) answers when `view_seq` moves: on a level change,
+    an operator's pin or feature override, a new policy; not on a tick that changed nothing."""
+    clock = FakeClock()
+    c = core(clock)
+    seq = c.view_seq
+    c.report("model:a", {"queue_length": 0})
+    c.tick()
+    assert not c.publish() and c.view_seq == seq  # nothing changed
+    c.report("model:a", {"queue_length": 10})
+    c.tick()
+    assert c.publish() and c.view_seq == seq + 1 and c.view().level == 2
+    assert not c.publish()  # once per change
+    c.set_override(feature="personalization", enabled=False)
+    assert c.publish() and c.view_seq == seq + 2
+    c.set_override(level=3, ttl_s=30)
+    assert c.publish() and c.view_seq == seq + 3
+    doc = {**POLICY, "stale_after_s": 3}
+    assert c.update_config(doc)["changed"]
+    assert c.publish() and c.view_seq == seq + 4
+
+
+def test_a_report_that_alone_reaches_a_higher_trigger_asks_for_an_early_tick() -> None:
+    clock = FakeClock()
+    c = core(clock)
+    assert not c.may_escalate({"queue_length": 3})  # below level 1's 4
+    assert c.may_escalate({"queue_length": 4})
+    assert not c.may_escalate({"gpu_util": 0.99})  # not a trigger of this policy
+    c.report("model:a", {"queue_length": 10})
+    c.tick()  # level 2: only level 3's trigger (12) is above it now
+    assert not c.may_escalate({"queue_length": 10}) and c.may_escalate({"queue_length": 12})
+
+
+def test_a_nodes_batch_of_reports_counts_each_and_rejects_only_the_bad_one() -> None:
+    clock = FakeClock()
+    c = core(clock)
+    kept = c.report_many([("model:a", {"queue_length": 2}, []), ("model:b", {"bogus": 1.0}, []),
+                          ("ingress:c", {"inflight": 3}, ["p95_latency_ms"])])
+    assert kept == 2 and c.report_errors == 1 and c.failed_reads == 1
+    c.tick()
+    assert c.signals.values["queue_length"] == 2 and "p95_latency_ms" in c.signals.stale
