@@ -4,6 +4,7 @@ ingress readers polling the one real `policies.actor.PolicyActor`.
     .venv/bin/python -m bench.policy_scale                    # 60 s, 1,000 replicas, 100 readers
     .venv/bin/python -m bench.policy_scale --duration-s 20    # shorter
     .venv/bin/python -m bench.policy_scale --replicas 200 --readers 20 --clients 2
+    .venv/bin/python -m bench.policy_scale --per-node 50      # one report per node of 50 replicas
 
 What it starts: its own Ray cluster (``ray.init(address="local")`` in a private temp dir, ended
 with ``ray.shutdown()``) and in it the real `PolicyActor` class with the default policy, under a
@@ -24,6 +25,13 @@ over one interval, as replicas start at different times. The signal dicts are a 
 (``enrichment_p95_latency_ms``), 10% ingress replicas (``inflight``, ``model_queued``,
 ``predicted_wait_ms``, ``refused_ratio``, ``p95_latency_ms``, ``avg_latency_ms``), each value
 drawn afresh per report, at a light load (no trigger of the default policy holds).
+
+``--per-node N`` measures the remedy for what the default run shows (issue 14, deliverable 4:
+reports batched per node): the replicas are grouped N to a node, and one reporter per node folds
+their signals with the actor's own `policies.signals.Aggregator` and sends the fold as one
+``report(node, signals, stale)`` every interval (a fold of folds equals the flat fold,
+tests/unit/test_signals.py). The replica-to-node hop runs on each node's own CPU in a cluster
+and is not simulated here: only what reaches the policy actor is.
 
 The clients share the 2 cores with the actor, Ray's own processes and the driver, so caller-side
 latencies include the clients' own queueing (250 replicas on one loop, where a real replica has
@@ -270,12 +278,13 @@ class SimClient:
         self.heartbeat: asyncio.Task[None] | None = None
 
     async def start(self, handle: Any, sources: Sequence[tuple[str, str]], readers: int, report_s: float,
-                    refresh_s: float) -> int:
+                    refresh_s: float, per_node: int = 1, name: str = "c0") -> int:
         import psutil
 
         from deployments.reporting import ActorLink, PeriodicTask, signal_reporter
         from policies.config import SIGNALS
         from policies.features import PolicyView
+        from policies.signals import Aggregator, Report
 
         known = frozenset(SIGNALS)
 
@@ -297,11 +306,34 @@ class SimClient:
                 self.sink.append((time.time(), (time.perf_counter() - t0) * 1000.0))
                 return result
 
-        for source, kind in sources:
+        if per_node <= 1:  # every replica reports itself, as today
+            for source, kind in sources:
+                link = TimedLink(sink_r)
+                rng = random.Random(self.rng.random())
+                task = signal_reporter(link, source, lambda kind=kind, rng=rng: draw_signals(kind, rng, known),
+                                       report_s)
+                self.links.append(link)
+                self.tasks.append(task)
+                loop.call_later(self.rng.uniform(0, report_s), task.start)
+        for k in range(0, len(sources) if per_node > 1 else 0, per_node):
+            # one reporter per node: its replicas' signals folded with the actor's own Aggregator,
+            # sent on as one report(source, signals, stale) (`Signals.report_args`)
+            members = [(src, kind, random.Random(self.rng.random())) for src, kind in sources[k:k + per_node]]
             link = TimedLink(sink_r)
-            rng = random.Random(self.rng.random())
-            task = signal_reporter(link, source, lambda kind=kind, rng=rng: draw_signals(kind, rng, known),
-                                   report_s)
+            node = f"node:{name}-{k // per_node}"
+
+            async def node_step(link: Any = link, members: Any = members, node: str = node,
+                                fold: Aggregator = Aggregator()) -> None:
+                now = time.time()
+                for src, kind, rng in members:
+                    fold.add(Report(src, now, draw_signals(kind, rng, known)))
+                values, stale = fold.aggregate(now).report_args()
+                if stale:
+                    await link.call("report", node, values, stale)
+                else:
+                    await link.call("report", node, values)
+
+            task = PeriodicTask(f"report:{node}", node_step, report_s)
             self.links.append(link)
             self.tasks.append(task)
             loop.call_later(self.rng.uniform(0, report_s), task.start)
@@ -489,12 +521,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         clients = [client_cls.remote(seed=i) for i in range(args.clients)]
         kinds = assign_kinds(args.replicas)
         sources = [(f"{kind}:sim-{i:04d}", kind) for i, kind in enumerate(kinds)]
+        shares = [sources[i::args.clients] for i in range(args.clients)]
+        reporters = sum(-(-len(share) // args.per_node) for share in shares)
         started = ray.get([
-            c.start.remote(actor, sources[i::args.clients], len(range(i, args.readers, args.clients)),
-                           args.report_s, args.refresh_s)
+            c.start.remote(actor, shares[i], len(range(i, args.readers, args.clients)),
+                           args.report_s, args.refresh_s, args.per_node, f"c{i}")
             for i, c in enumerate(clients)], timeout=120)
+        how = "each" if args.per_node == 1 else f"folded per node of {args.per_node} into {reporters} reports"
         log(f"{args.clients} clients running {sum(started)} tasks: {args.replicas} replicas reporting every "
-            f"{args.report_s} s, {args.readers} readers polling every {args.refresh_s} s")
+            f"{args.report_s} s ({how}), {args.readers} readers polling every {args.refresh_s} s")
         t_start = time.time()
         sampler = CpuSampler(pid)
         sampler.start()
@@ -573,7 +608,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "refresh_ms": summarize(views),
         "override_call_ms": summarize(override_ms),
         "calls_per_s": {"report": round(len(reports) / window, 1),
-                        "report_nominal": round(args.replicas / args.report_s, 1),
+                        "report_nominal": round(reporters / args.report_s, 1),
                         "view": round(len(views) / window, 1),
                         "view_nominal": round(args.readers / args.refresh_s, 1)},
         "link_failures": sum(o["failures"] for o in outs),
@@ -595,7 +630,9 @@ def print_report(doc: Mapping[str, Any]) -> None:
     t, r, v, lc = doc["tick_ms"], doc["report_ms"], doc["refresh_ms"], doc["level_change"]
     calls = doc["calls_per_s"]
     print()
-    print(f"policy actor at {doc['settings']['replicas']} replicas, {doc['settings']['readers']} readers, "
+    per_node = doc["settings"].get("per_node", 1)
+    print(f"policy actor at {doc['settings']['replicas']} replicas"
+          f"{'' if per_node == 1 else f' (one report per node of {per_node})'}, {doc['settings']['readers']} readers, "
           f"{doc['window_s']} s window (other processes: {doc['other_cpu_cores']} cores)")
     print(f"  actor CPU          {doc['actor_cpu_s_per_s']} s/s   (clients: {doc['clients_cpu_s_per_s']} s/s)")
     print(f"  calls/s            report {calls['report']} of {calls['report_nominal']}, "
@@ -656,6 +693,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--replicas", type=int, default=1000)
     ap.add_argument("--readers", type=int, default=100)
     ap.add_argument("--clients", type=int, default=4, help="client actors the replicas and readers share (4)")
+    ap.add_argument("--per-node", type=int, default=1,
+                    help="replicas per node whose reports one node reporter folds and sends as one (1: each "
+                         "replica reports itself, as the shipped code does)")
     ap.add_argument("--report-s", type=float, default=0.25)
     ap.add_argument("--refresh-s", type=float, default=0.25)
     ap.add_argument("--tick-s", type=float, default=0.25)
@@ -666,7 +706,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for key in ("duration_s", "report_s", "refresh_s", "tick_s", "change_every_s"):
         if getattr(args, key) <= 0:
             ap.error(f"--{key.replace('_', '-')}: {getattr(args, key)} must be > 0")
-    for key in ("replicas", "readers", "clients"):
+    for key in ("replicas", "readers", "clients", "per_node"):
         if getattr(args, key) < 1:
             ap.error(f"--{key}: {getattr(args, key)} must be >= 1")
     if args.duration_s < args.warmup_s + args.change_every_s + 1:

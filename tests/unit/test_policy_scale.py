@@ -4,6 +4,7 @@ and the simulated replicas' signal dicts. No Ray, no timed assertions."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import random
@@ -13,6 +14,7 @@ import pytest
 
 from bench.policy_scale import (
     REPLICA_KINDS,
+    SimClient,
     TARGETS,
     TICK_METRIC,
     assign_kinds,
@@ -159,3 +161,59 @@ def test_replica_kinds_and_their_signals_are_what_the_actor_takes() -> None:
             lo, hi = ranges[name]
             assert lo <= value <= hi and isinstance(value, float)
     assert draw_signals("Ingress", rng, {"inflight"}).keys() == {"inflight"}
+
+
+class FakeMethod:
+    def __init__(self, name: str, calls: list[tuple[str, tuple]], answer: object) -> None:
+        self.name, self.calls, self.answer = name, calls, answer
+
+    def remote(self, *args: object) -> asyncio.Future:
+        self.calls.append((self.name, args))
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(self.answer() if callable(self.answer) else self.answer)
+        return fut
+
+
+class FakeActor:
+    """Answers ``report`` and ``view`` at once, as a `PolicyCore` would; records every call."""
+
+    def __init__(self) -> None:
+        from policies.config import default_policy
+        from policies.service import PolicyCore
+
+        self.core = PolicyCore(default_policy())
+        self.calls: list[tuple[str, tuple]] = []
+        self.report = FakeMethod("report", self.calls, lambda: self._last_report())
+        self.view = FakeMethod("view", self.calls, lambda: self.core.view())
+
+    def _last_report(self) -> bool:
+        _, args = self.calls[-1]
+        return self.core.report(*args)
+
+
+@pytest.mark.parametrize("per_node, reporters", [(1, 10), (4, 3)])
+def test_sim_client_sends_the_replicas_calls(per_node: int, reporters: int) -> None:
+    """The client actor's code without Ray: 10 replicas (alone, or folded per node of 4) and 2
+    readers for about 0.3 s; every report is one the actor takes, readers see the level."""
+    actor = FakeActor()
+    sources = [(f"{kind}:sim-{i}", kind) for i, kind in enumerate(assign_kinds(10))]
+
+    async def go() -> dict:
+        client = SimClient(seed=1)
+        started = await client.start(actor, sources, readers=2, report_s=0.05, refresh_s=0.05,
+                                     per_node=per_node)
+        assert started == reporters + 2
+        await asyncio.sleep(0.3)
+        return await client.stop()
+
+    out = asyncio.run(go())
+    reports = [args for name, args in actor.calls if name == "report"]
+    assert out["stopped"] and out["failures"] == 0 and out["bad_views"] == 0
+    assert len({args[0] for args in reports}) == reporters
+    assert actor.core.report_errors == 0 and len(out["reports"]) == len(reports) >= reporters
+    assert len(out["seen"]) == 2 and all(seen and seen[0][1] == 0 for seen in out["seen"])
+    assert out["views"] and out["lag"]
+    snap = actor.core.aggregator.aggregate(actor.core.clock())
+    assert snap.sources == reporters
+    if per_node > 1:  # the nodes' folds add up to what 10 replicas report: every kind's signals
+        assert {"queue_length", "enrichment_p95_latency_ms", "inflight"} <= snap.values.keys()
