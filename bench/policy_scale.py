@@ -30,8 +30,10 @@ drawn afresh per report, at a light load (no trigger of the default policy holds
 reports batched per node): the replicas are grouped N to a node, and one reporter per node folds
 their signals with the actor's own `policies.signals.Aggregator` and sends the fold as one
 ``report(node, signals, stale)`` every interval (a fold of folds equals the flat fold,
-tests/unit/test_signals.py). The replica-to-node hop runs on each node's own CPU in a cluster
-and is not simulated here: only what reaches the policy actor is.
+tests/unit/test_signals.py). ``--readers-per-node M`` does the same for the readers: one poll
+of ``view`` per node of M ingress replicas, which all take its answer. The hops within a node run
+on each node's own CPU in a cluster and are not simulated here: only what reaches the policy
+actor is.
 
 The clients share the 2 cores with the actor, Ray's own processes and the driver, so caller-side
 latencies include the clients' own queueing (250 replicas on one loop, where a real replica has
@@ -278,7 +280,7 @@ class SimClient:
         self.heartbeat: asyncio.Task[None] | None = None
 
     async def start(self, handle: Any, sources: Sequence[tuple[str, str]], readers: int, report_s: float,
-                    refresh_s: float, per_node: int = 1, name: str = "c0") -> int:
+                    refresh_s: float, per_node: int = 1, name: str = "c0", readers_per_node: int = 1) -> int:
         import psutil
 
         from deployments.reporting import ActorLink, PeriodicTask, signal_reporter
@@ -337,19 +339,23 @@ class SimClient:
             self.links.append(link)
             self.tasks.append(task)
             loop.call_later(self.rng.uniform(0, report_s), task.start)
-        for _ in range(readers):
+        group = max(1, readers_per_node)
+        for first in range(0, readers, group):
+            # one poller per node of readers (alone: each ingress replica polls, as today); what
+            # it gets, every reader of its node has at once (a node-local hand-on, not simulated)
             link = TimedLink(sink_v)
-            seen: list[tuple[float, int]] = []
-            self.seen.append(seen)
+            seens: list[list[tuple[float, int]]] = [[] for _ in range(min(group, readers - first))]
+            self.seen.extend(seens)
 
-            async def refresh(link: Any = link, seen: list[tuple[float, int]] = seen) -> None:
+            async def refresh(link: Any = link, seens: list[list[tuple[float, int]]] = seens) -> None:
                 view = await link.call("view")
                 if not isinstance(view, PolicyView):  # as Ingress._refresh checks it
                     self.bad_views += 1
                     raise TypeError(f"the policy actor sent {type(view).__name__}, not a PolicyView")
-                level = int(view.level)
-                if not seen or seen[-1][1] != level:
-                    seen.append((time.time(), level))
+                level, now = int(view.level), time.time()
+                for seen in seens:
+                    if not seen or seen[-1][1] != level:
+                        seen.append((now, level))
 
             task = PeriodicTask("refresh-level", refresh, refresh_s)
             self.links.append(link)
@@ -523,13 +529,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         sources = [(f"{kind}:sim-{i:04d}", kind) for i, kind in enumerate(kinds)]
         shares = [sources[i::args.clients] for i in range(args.clients)]
         reporters = sum(-(-len(share) // args.per_node) for share in shares)
+        pollers = sum(-(-len(range(i, args.readers, args.clients)) // args.readers_per_node)
+                      for i in range(args.clients))
         started = ray.get([
             c.start.remote(actor, shares[i], len(range(i, args.readers, args.clients)),
-                           args.report_s, args.refresh_s, args.per_node, f"c{i}")
+                           args.report_s, args.refresh_s, args.per_node, f"c{i}", args.readers_per_node)
             for i, c in enumerate(clients)], timeout=120)
         how = "each" if args.per_node == 1 else f"folded per node of {args.per_node} into {reporters} reports"
         log(f"{args.clients} clients running {sum(started)} tasks: {args.replicas} replicas reporting every "
-            f"{args.report_s} s ({how}), {args.readers} readers polling every {args.refresh_s} s")
+            f"{args.report_s} s ({how}), {args.readers} readers polling every {args.refresh_s} s"
+            f"{'' if args.readers_per_node == 1 else f' ({pollers} polls, one per node of {args.readers_per_node})'}")
         t_start = time.time()
         sampler = CpuSampler(pid)
         sampler.start()
@@ -610,7 +619,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "calls_per_s": {"report": round(len(reports) / window, 1),
                         "report_nominal": round(reporters / args.report_s, 1),
                         "view": round(len(views) / window, 1),
-                        "view_nominal": round(args.readers / args.refresh_s, 1)},
+                        "view_nominal": round(pollers / args.refresh_s, 1)},
         "link_failures": sum(o["failures"] for o in outs),
         "link_skipped": sum(o["skipped"] for o in outs),
         "bad_views": sum(o["bad_views"] for o in outs),
@@ -632,7 +641,8 @@ def print_report(doc: Mapping[str, Any]) -> None:
     print()
     per_node = doc["settings"].get("per_node", 1)
     print(f"policy actor at {doc['settings']['replicas']} replicas"
-          f"{'' if per_node == 1 else f' (one report per node of {per_node})'}, {doc['settings']['readers']} readers, "
+          f"{'' if per_node == 1 else f' (one report per node of {per_node})'}, {doc['settings']['readers']} readers"
+          f"{'' if doc['settings'].get('readers_per_node', 1) == 1 else ' (one poll per node of ' + str(doc['settings']['readers_per_node']) + ')'}, "
           f"{doc['window_s']} s window (other processes: {doc['other_cpu_cores']} cores)")
     print(f"  actor CPU          {doc['actor_cpu_s_per_s']} s/s   (clients: {doc['clients_cpu_s_per_s']} s/s)")
     print(f"  calls/s            report {calls['report']} of {calls['report_nominal']}, "
@@ -696,6 +706,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--per-node", type=int, default=1,
                     help="replicas per node whose reports one node reporter folds and sends as one (1: each "
                          "replica reports itself, as the shipped code does)")
+    ap.add_argument("--readers-per-node", type=int, default=1,
+                    help="ingress readers per node that share one poll of view (1: each polls, as the shipped "
+                         "code does)")
     ap.add_argument("--report-s", type=float, default=0.25)
     ap.add_argument("--refresh-s", type=float, default=0.25)
     ap.add_argument("--tick-s", type=float, default=0.25)
@@ -706,7 +719,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for key in ("duration_s", "report_s", "refresh_s", "tick_s", "change_every_s"):
         if getattr(args, key) <= 0:
             ap.error(f"--{key.replace('_', '-')}: {getattr(args, key)} must be > 0")
-    for key in ("replicas", "readers", "clients", "per_node"):
+    for key in ("replicas", "readers", "clients", "per_node", "readers_per_node"):
         if getattr(args, key) < 1:
             ap.error(f"--{key}: {getattr(args, key)} must be >= 1")
     if args.duration_s < args.warmup_s + args.change_every_s + 1:

@@ -191,8 +191,9 @@ class FakeActor:
         return self.core.report(*args)
 
 
-@pytest.mark.parametrize("per_node, reporters", [(1, 10), (4, 3)])
-def test_sim_client_sends_the_replicas_calls(per_node: int, reporters: int) -> None:
+@pytest.mark.parametrize("per_node, reporters, readers_per_node, pollers", [(1, 10, 1, 2), (4, 3, 2, 1)])
+def test_sim_client_sends_the_replicas_calls(per_node: int, reporters: int, readers_per_node: int,
+                                             pollers: int) -> None:
     """The client actor's code without Ray: 10 replicas (alone, or folded per node of 4) and 2
     readers for about 0.3 s; every report is one the actor takes, readers see the level."""
     actor = FakeActor()
@@ -201,8 +202,8 @@ def test_sim_client_sends_the_replicas_calls(per_node: int, reporters: int) -> N
     async def go() -> dict:
         client = SimClient(seed=1)
         started = await client.start(actor, sources, readers=2, report_s=0.05, refresh_s=0.05,
-                                     per_node=per_node)
-        assert started == reporters + 2
+                                     per_node=per_node, readers_per_node=readers_per_node)
+        assert started == reporters + pollers
         await asyncio.sleep(0.3)
         return await client.stop()
 
@@ -210,6 +211,8 @@ def test_sim_client_sends_the_replicas_calls(per_node: int, reporters: int) -> N
     reports = [args for name, args in actor.calls if name == "report"]
     assert out["stopped"] and out["failures"] == 0 and out["bad_views"] == 0
     assert len({args[0] for args in reports}) == reporters
+    views = sum(name == "view" for name, _ in actor.calls)  # one poll per node: about 6 each in 0.3 s
+    assert pollers <= views <= pollers * 8
     assert actor.core.report_errors == 0 and len(out["reports"]) == len(reports) >= reporters
     assert len(out["seen"]) == 2 and all(seen and seen[0][1] == 0 for seen in out["seen"])
     assert out["views"] and out["lag"]
