@@ -17,8 +17,10 @@ event loop, with the replicas' own code: each simulated replica has its own
 `deployments.reporting.ActorLink` (timeout, back-off, pending cap) and a
 `deployments.reporting.signal_reporter` task sending ``report(source, signals)`` every
 ``--report-s`` (0.25 s, the shipped ``report_s``); each reader has its own link and a
-`PeriodicTask` calling ``view`` every ``--refresh-s`` (0.25 s, the shipped ``refresh_s``) and
-checking what it got, as ``serve_app.ingress.Ingress._refresh`` does. Start times are spread
+`PeriodicTask` calling ``view`` every ``--refresh-s`` (0.25 s, the former poll) and checking
+what it got; with ``--watch``, as the shipped ``serve_app.ingress.Ingress._refresh`` does now, it
+long-polls the actor's ``watch`` instead (answered when the view moves or after 5 s; its
+"refresh" latency is then mostly the wait, and the figure that counts is the level reach). Start times are spread
 over one interval, as replicas start at different times. The signal dicts are a replica's:
 60% model replicas (``queue_length``, ``kv_cache_usage``, ``ttft_p95_ms``,
 ``engine_p95_latency_ms``, ``gpu_util``, ``gpu_mem_ratio``), 30% enrichment hosts
@@ -86,6 +88,7 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
+WATCH_S = 5.0  # --watch: one long-poll waits at most this long, as the ingress's pipeline.watch_s
 
 # Issue 14's targets: (key in the results, limit, what it says)
 TARGETS: tuple[tuple[str, float, str], ...] = (
@@ -280,7 +283,8 @@ class SimClient:
         self.heartbeat: asyncio.Task[None] | None = None
 
     async def start(self, handle: Any, sources: Sequence[tuple[str, str]], readers: int, report_s: float,
-                    refresh_s: float, per_node: int = 1, name: str = "c0", readers_per_node: int = 1) -> int:
+                    refresh_s: float, per_node: int = 1, name: str = "c0", readers_per_node: int = 1,
+                    watch: bool = False) -> int:
         import psutil
 
         from deployments.reporting import ActorLink, PeriodicTask, signal_reporter
@@ -347,8 +351,14 @@ class SimClient:
             seens: list[list[tuple[float, int]]] = [[] for _ in range(min(group, readers - first))]
             self.seen.extend(seens)
 
-            async def refresh(link: Any = link, seens: list[list[tuple[float, int]]] = seens) -> None:
-                view = await link.call("view")
+            seq = [-1]
+
+            async def refresh(link: Any = link, seens: list[list[tuple[float, int]]] = seens,
+                              seq: list[int] = seq) -> None:
+                if watch:  # the ingress's long-poll (`Ingress._refresh`): back as soon as the view moves
+                    seq[0], view = await link.call("watch", seq[0], WATCH_S, call_timeout_s=WATCH_S + 2.0)
+                else:
+                    view = await link.call("view")
                 if not isinstance(view, PolicyView):  # as Ingress._refresh checks it
                     self.bad_views += 1
                     raise TypeError(f"the policy actor sent {type(view).__name__}, not a PolicyView")
@@ -357,7 +367,8 @@ class SimClient:
                     if not seen or seen[-1][1] != level:
                         seen.append((now, level))
 
-            task = PeriodicTask("refresh-level", refresh, refresh_s)
+            task = (PeriodicTask("follow-level", refresh, 0.0, failure_sleep_s=refresh_s) if watch
+                    else PeriodicTask("refresh-level", refresh, refresh_s))
             self.links.append(link)
             self.tasks.append(task)
             loop.call_later(self.rng.uniform(0, refresh_s), task.start)
@@ -533,12 +544,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                       for i in range(args.clients))
         started = ray.get([
             c.start.remote(actor, shares[i], len(range(i, args.readers, args.clients)),
-                           args.report_s, args.refresh_s, args.per_node, f"c{i}", args.readers_per_node)
+                           args.report_s, args.refresh_s, args.per_node, f"c{i}", args.readers_per_node,
+                           args.watch)
             for i, c in enumerate(clients)], timeout=120)
         how = "each" if args.per_node == 1 else f"folded per node of {args.per_node} into {reporters} reports"
         log(f"{args.clients} clients running {sum(started)} tasks: {args.replicas} replicas reporting every "
             f"{args.report_s} s ({how}), {args.readers} readers polling every {args.refresh_s} s"
-            f"{'' if args.readers_per_node == 1 else f' ({pollers} polls, one per node of {args.readers_per_node})'}")
+            f"{'' if args.readers_per_node == 1 else f' ({pollers} polls, one per node of {args.readers_per_node})'}"
+            f"{' by long-poll (watch)' if args.watch else ''}")
         t_start = time.time()
         sampler = CpuSampler(pid)
         sampler.start()
@@ -709,6 +722,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--readers-per-node", type=int, default=1,
                     help="ingress readers per node that share one poll of view (1: each polls, as the shipped "
                          "code does)")
+    ap.add_argument("--watch", action="store_true",
+                    help="readers follow the level by long-poll (the actor's watch), as the shipped ingress "
+                         "does, instead of polling view every --refresh-s")
     ap.add_argument("--report-s", type=float, default=0.25)
     ap.add_argument("--refresh-s", type=float, default=0.25)
     ap.add_argument("--tick-s", type=float, default=0.25)
