@@ -346,9 +346,17 @@ class RefusalWindow:
     Counted in ``BINS`` bins of ``window_s / BINS`` each, so memory stays constant whatever the
     request rate; a bin leaves the window whole, so the window spans ``window_s`` to one bin more.
     ``ratio`` is 0 when nothing was decided in the window (no load: nothing to hold a level up).
+
+    The ratio's denominator is at least ``MIN_DECISIONS``: at a few requests a minute one
+    refusal of two decisions would read 50% and take the level to 3 in one step (measured: a
+    sheddable request refused at 0.5 x C0, where one request alone takes 40% of the SLO), while
+    it is one request's worth of evidence; so one refusal in a quiet window reads at most 5%.
+    At the rates where the ratio matters (more than ``MIN_DECISIONS`` per window) it is the plain
+    share refused.
     """
 
     BINS = 20
+    MIN_DECISIONS = 20
     __slots__ = ("window_s", "_bins")
 
     def __init__(self, window_s: float) -> None:
@@ -381,7 +389,7 @@ class RefusalWindow:
 
     def ratio(self, now: float) -> float:
         decided, refused = self.counts(now)
-        return refused / decided if decided else 0.0
+        return refused / max(decided, self.MIN_DECISIONS) if decided else 0.0
 
 
 def poisson_quantile(mean: float, q: float) -> int:

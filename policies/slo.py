@@ -43,8 +43,10 @@ The rule, and why:
   optional work still runs is the wrong order (core traffic turned away to keep extras), so
   refusals raise the level at once: a few percent refused (sheddable work only, typically)
   switch off level 1's features; a tenth refused means demand is well past this level's
-  capacity and goes to level 3 in one step (escalation takes the highest level triggered). It
-  recovers below 0.5%: at a few requests per second, a window with no refusal at all.
+  capacity and goes to level 3 in one step (escalation takes the highest level triggered). A
+  window with fewer than 20 decisions counts as 20, so a lone refusal at low traffic reads 5%
+  (level 2), not 50%. It recovers below 0.5%: at a few requests per second, a window with no
+  refusal at all.
 - **Reachable by construction.** The waiting room is ``max_waiting`` requests (default
   ``max_num_seqs``: the model deployment admits twice its batch, so at most one batch waits in
   vLLM); a queue threshold above it could never fire (the old level 3's ``queue_length: 48``

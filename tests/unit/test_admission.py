@@ -285,11 +285,14 @@ def test_signals_for_the_policy_actor() -> None:
     [
         ("nothing decided: 0, so a level can recover", [], 10.0, 0.0),
         ("every request admitted", [(1.0, False), (2.0, False)], 3.0, 0.0),
-        ("one refused of four", [(1.0, False), (1.1, True), (1.2, False), (1.3, False)], 2.0, 0.25),
+        ("one refused of four: one request's evidence, at most 1/20", [(1.0, False), (1.1, True), (1.2, False),
+                                                                        (1.3, False)], 2.0, 0.05),
+        ("one refused of forty", [(1.0 + i / 100, i == 7) for i in range(40)], 2.0, 0.025),
+        ("ten refused of forty", [(1.0 + i / 100, i % 4 == 0) for i in range(40)], 2.0, 0.25),
         ("a refusal older than the window is forgotten", [(1.0, True), (6.0, False)], 6.5, 0.0),
         ("refusals, then no traffic: 0 once the window has passed", [(1.0, True), (1.1, True)], 6.6, 0.0),
-        ("refusals, then no traffic: still counted inside the window", [(1.0, True), (1.1, True)], 5.0, 1.0),
-        ("all refused", [(0.1, True), (0.2, True), (0.3, True)], 0.4, 1.0),
+        ("refusals, then no traffic: still counted inside the window", [(1.0, True), (1.1, True)], 5.0, 0.1),
+        ("all refused", [(i / 100, True) for i in range(30)], 0.4, 1.0),
     ],
 )
 def test_refusal_window(name: str, events: list[tuple[float, bool]], now: float, expected: float) -> None:
@@ -316,15 +319,16 @@ def test_refusals_at_the_door_raise_the_refused_ratio_and_admissions_lower_it() 
     assert all(ctl.decide(C, ahead=i, now=1.0).admitted for i in range(cap))
     assert ctl.signals(cap, 1.0)["refused_ratio"] == 0.0  # full, nothing refused yet: no signal
     assert not ctl.decide(C, ahead=cap, now=1.5).admitted  # demand past what this level serves
-    assert ctl.signals(cap, 1.5)["refused_ratio"] == pytest.approx(1 / (cap + 1), abs=1e-4)
+    assert ctl.signals(cap, 1.5)["refused_ratio"] == pytest.approx(1 / max(cap + 1, 20), abs=1e-4)
     assert ctl.signals(0, 7.0)["refused_ratio"] == 0.0  # the window has passed: the level may recover
 
 
 def test_a_reloaded_policy_applies_a_new_refusal_window() -> None:
     ctl = controller()
     ctl.update(SLO, SETTINGS.model_copy(update={"refusal_window_s": 1.0}))
-    assert not ctl.decide(C, ahead=10_000, now=0.0).admitted
-    assert ctl.signals(0, 0.5)["refused_ratio"] == 1.0 and ctl.signals(0, 1.2)["refused_ratio"] == 0.0
+    for i in range(20):
+        assert not ctl.decide(C, ahead=10_000, now=i / 100).admitted
+    assert ctl.signals(0, 0.5)["refused_ratio"] == 1.0 and ctl.signals(0, 1.5)["refused_ratio"] == 0.0
 
 
 @pytest.mark.parametrize(("in_flight", "wait_ms"), [
