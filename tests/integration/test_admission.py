@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from tests.integration.conftest import Cluster, ingress_deployment
-from tests.integration.test_brownout import CHAT, MODEL, admin, gibberish, wait_level
+from tests.integration.test_brownout import CHAT, MODEL, admin, gibberish, pin, wait_level
 
 pytestmark = pytest.mark.integration
 CAPS = {"critical": 7, "standard": 6, "sheddable": 4}
@@ -36,6 +36,9 @@ def slo_policy(deployed: Cluster, http: httpx.Client) -> Iterator[None]:
     doc["slo"] = {"e2e_p99_ms": 2000, "default_class": "critical"}
     doc["admission"] = {"prior_rate_per_s": 4, "rate_window_s": 60, "overhead_ms": 100}
     assert deployed.serve_deploy(config, "admission.yaml").returncode == 0
+    # Level 0 pinned: the refusals these tests provoke raise the level (refused_ratio), and a
+    # raised level shapes max_tokens and serves faster, so held requests would finish early.
+    pin(http, 0, ttl_s=300)
     deadline = time.monotonic() + 30
     while admission_state(http)["max_admitted"] != CAPS:
         assert time.monotonic() < deadline, admission_state(http)
@@ -43,6 +46,7 @@ def slo_policy(deployed: Cluster, http: httpx.Client) -> Iterator[None]:
     try:
         yield
     finally:
+        admin(http, "DELETE", params={"level": "true"})
         assert deployed.serve_deploy(deployed.config(), "restored.yaml").returncode == 0
         deadline = time.monotonic() + 30
         while admission_state(http)["default_class"] != "standard":  # the shipped policy's
