@@ -65,10 +65,11 @@ def post(cluster: Cluster, criticality: str | None, max_tokens: int, key: str | 
         return client.post(CHAT, json=body, headers=headers)
 
 
-def wait_in_flight(http: httpx.Client, n: int) -> None:
+def wait_in_flight(http: httpx.Client, n: int, held: list[cf.Future[httpx.Response]] | None = None) -> None:
     deadline = time.monotonic() + 20
     while admission_state(http)["in_flight"] < n:
-        assert time.monotonic() < deadline, admission_state(http)
+        done = [(f.result().status_code, f.result().text[:200]) for f in held or () if f.done()]
+        assert time.monotonic() < deadline, (admission_state(http), "finished already:", done)
         time.sleep(0.05)
 
 
@@ -92,14 +93,15 @@ def test_overload_is_refused_at_once_least_important_first(
     before = admission_state(http)
     with cf.ThreadPoolExecutor(max_workers=8) as pool:
         # 4 sheddable requests fill sheddable's share of the budget...
-        held = [pool.submit(post, url, "sheddable", 96) for _ in range(4)]
-        wait_in_flight(http, 4)
+        # (long answers: the held requests must outlast the knocking, on a busy machine too)
+        held = [pool.submit(post, url, "sheddable", 240) for _ in range(4)]
+        wait_in_flight(http, 4, held)
         # ...so the next sheddable one is refused (429), while standard work still gets in,
         refused(url, "sheddable", 429)
-        held.append(pool.submit(post, url, "standard", 96))
+        held.append(pool.submit(post, url, "standard", 240))
         # and critical work is admitted up to the last slot the SLO allows (7 in flight).
-        held += [pool.submit(post, url, None, 96) for _ in range(2)]
-        wait_in_flight(http, 7)
+        held += [pool.submit(post, url, None, 240) for _ in range(2)]
+        wait_in_flight(http, 7, held)
         # Past that even critical work would miss the SLO: the service is saturated (503).
         refused(url, "critical", 503)
         answers = [f.result() for f in held]
