@@ -76,7 +76,6 @@ import os
 import random
 import re
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -86,6 +85,9 @@ import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from bench.overload import free_port, log
+from deployments.window import percentile  # the project's one percentile (numpy's linear rule)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WATCH_S = 5.0  # --watch: one long-poll waits at most this long, as the ingress's pipeline.watch_s
@@ -113,20 +115,6 @@ TICK_METRIC = "ray_brownout_policy_tick_ms"
 
 
 # -- pure parts (tests/unit/test_policy_scale.py) ----------------------------------------------
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The ``q``-th percentile (0-100) with linear interpolation between closest ranks (numpy's
-    default); None for no values."""
-    if not 0 <= q <= 100:
-        raise ValueError(f"q: {q!r} is not within 0..100")
-    xs = sorted(values)
-    if not xs:
-        return None
-    rank = (len(xs) - 1) * q / 100.0
-    lo = math.floor(rank)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (rank - lo)
-
 
 def summarize(values: Sequence[float], digits: int = 3) -> dict[str, Any]:
     """``n``, ``p50``, ``p99``, ``max``, ``mean`` (None where there are no values)."""
@@ -414,16 +402,6 @@ def _cpu_s(proc: Any) -> float:
 
 
 # -- the run -----------------------------------------------------------------------------------
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def core_replay(replicas: int, ticks: int = 200, seed: int = 0) -> dict[str, Any]:
     """The same `PolicyCore.tick()` the actor runs, over ``replicas`` fresh sources, timed in
