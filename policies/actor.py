@@ -62,6 +62,7 @@ from typing import Any
 
 import ray
 
+from policies.autoscale import PolicyLoad
 from policies.config import SIGNALS, default_policy, parse_policy
 from policies.controller import Transition
 from policies.features import REGISTRY, PolicyView
@@ -288,6 +289,12 @@ class PolicyActor:
             except asyncio.TimeoutError:
                 pass
         return self.core.view_seq, self.core.view()
+
+    async def load(self) -> PolicyLoad:
+        """The level in force and the refused share, for the model's autoscaling policy
+        (`deployments.autoscaling`, in the Serve controller)."""
+        self._ensure_loop()
+        return self.core.load()
 
     async def get_state(self) -> dict[str, Any]:
         self._ensure_loop()

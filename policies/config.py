@@ -78,6 +78,8 @@ SIGNAL_AGGREGATION: Mapping[str, Literal["sum", "max"]] = {
     #                          (429/503) over admission.refusal_window_s: demand beyond what
     #                          the level in force serves, which in-flight counts cannot show
     #                          (admission keeps them under the SLO by refusing)
+    "model_replicas_pending": "sum",  # model replicas the autoscaler asked for that do not serve
+    #                                   yet (`deployments.autoscaling`; absent without autoscaling)
 }
 SIGNALS: tuple[str, ...] = tuple(SIGNAL_AGGREGATION)
 

@@ -39,6 +39,7 @@ from policies.controller import (
     unpin,
 )
 from policies import features as feat
+from policies.autoscale import PolicyLoad
 from policies.features import REGISTRY, FeatureOverride, Level, OffMode, PolicyView
 from policies.signals import Aggregator, Report, Signals
 from policies.slo import fit_policy
@@ -476,6 +477,11 @@ class PolicyCore:
         now = self.clock()
         return policy_view(self.config, self.state.level, enabled_features(self.config, self.state, now),
                            self.config_version, now)
+
+    def load(self) -> PolicyLoad:
+        """What the model's autoscaling policy reads (`policies.autoscale`): the level in force and
+        the aggregated ``refused_ratio`` of the last tick (0 where no ingress reports one)."""
+        return PolicyLoad(int(self.state.level), float(self.signals.values.get("refused_ratio", 0.0)))
 
     def get_state(self) -> dict[str, Any]:
         now = self.clock()

@@ -47,6 +47,12 @@ The rule, and why:
   window with fewer than 20 decisions counts as 20, so a lone refusal at low traffic reads 5%
   (level 2), not 50%. It recovers below 0.5%: at a few requests per second, a window with no
   refusal at all.
+- **Autoscaling: degrade while capacity is on its way.** Where the model deployment autoscales
+  (`policies.autoscale`), ``model_replicas_pending`` counts the replicas the autoscaler asked for
+  that do not serve yet. Level 1 triggers while any is pending and recovers (with its dwell)
+  once all serve: the load already exceeded what the running replicas are meant to carry, and
+  the cheapest optional work is switched off until the new capacity arrives. Higher levels are
+  left to the other signals. Without autoscaling the signal is absent and changes nothing.
 - **Reachable by construction.** The waiting room is ``max_waiting`` requests (default
   ``max_num_seqs``: the model deployment admits twice its batch, so at most one batch waits in
   vLLM); a queue threshold above it could never fire (the old level 3's ``queue_length: 48``
@@ -78,6 +84,8 @@ QUEUE_RECOVER_RATIO = 0.25
 PREDICTED_RECOVER_RATIO = 0.6
 REFUSED_FRACTIONS = (0.02, 0.05, 0.10)  # of the requests decided on in the refusal window, per level
 REFUSED_RECOVER = 0.005
+PENDING_TRIGGER = 1.0  # level 1 while any model replica the autoscaler asked for is not serving
+PENDING_RECOVER = 0.5  # recover once none is pending (a value at or above it is not calm)
 DEFAULT_DWELL_S = 30.0
 DEFAULT_COOLDOWN_S = 15.0
 
@@ -126,6 +134,8 @@ def derived_levels(
         recover["refused_ratio"] = REFUSED_RECOVER
         if i == 0:
             trigger["kv_cache_usage"] = 0.80
+            trigger["model_replicas_pending"] = PENDING_TRIGGER
+            recover["model_replicas_pending"] = PENDING_RECOVER
         elif i == 1:
             trigger["kv_cache_usage"] = 0.90
             trigger["p95_latency_ms"] = round(0.9 * e2e, 1)

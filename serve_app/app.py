@@ -27,6 +27,46 @@ from serve_app.security import AuthSettings
 EMBEDDED_MODEL = "embedded:tiny"
 
 
+class ModelAutoscaling(BaseModel):
+    """``model.autoscaling``: the model deployment autoscales on its queue and on the refusals
+    at the door, with Brownout's policy function (`deployments.autoscaling`; the rule and how it
+    and degradation avoid fighting: `policies.autoscale`). Absent: one model replica."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    min_replicas: int = Field(default=1, ge=1, description="never below (no scale to zero: a model "
+                              "replica takes tens of seconds to minutes to start)")
+    max_replicas: int = Field(ge=1, description="never above")
+    target_ongoing_requests: float | None = Field(
+        default=None, gt=0, description="requests running or queued per replica to aim for; "
+        "default max_num_seqs (one full batch per replica)")
+    upscale_delay_s: float = Field(default=5.0, ge=0, allow_inf_nan=False)
+    downscale_delay_s: float = Field(default=120.0, ge=0, allow_inf_nan=False)
+    look_back_period_s: float = Field(default=15.0, gt=10.0, allow_inf_nan=False,
+                                      description="the window Serve averages ongoing requests over (above its 10 s metrics interval)")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> ModelAutoscaling:
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"max_replicas={self.max_replicas} must be >= min_replicas={self.min_replicas}")
+        return self
+
+    def serve_config(self, max_num_seqs: int) -> dict[str, Any]:
+        """Serve's ``autoscaling_config`` for the model deployment."""
+        from deployments.autoscaling import POLICY_FUNCTION
+
+        target = self.target_ongoing_requests if self.target_ongoing_requests is not None else max_num_seqs
+        return {
+            "min_replicas": self.min_replicas,
+            "max_replicas": self.max_replicas,
+            "target_ongoing_requests": float(target),
+            "upscale_delay_s": self.upscale_delay_s,
+            "downscale_delay_s": self.downscale_delay_s,
+            "look_back_period_s": self.look_back_period_s,
+            "policy": {"policy_function": POLICY_FUNCTION},
+        }
+
+
 class ModelArgs(EngineSettings):
     """The ``model:`` args: the engine's settings (`EngineSettings`: one home for those options
     and their defaults), plus where the model comes from (``source``) and the API's view of it."""
@@ -42,6 +82,8 @@ class ModelArgs(EngineSettings):
     )
     served_model_name: str = Field(default="brownout-tiny", min_length=1)
     max_prompt_tokens: int = Field(default=768, ge=1)
+    autoscaling: ModelAutoscaling | None = Field(
+        default=None, description="autoscale the model deployment (absent: one replica)")
 
     @model_validator(mode="after")
     def _room_to_generate(self) -> ModelArgs:
@@ -124,6 +166,7 @@ def build_app(args: BrownoutArgs) -> Application:
         ray_actor_options={"num_cpus": 1},
         health_check_period_s=10,
         health_check_timeout_s=30,
+        **({} if m.autoscaling is None else {"autoscaling_config": m.autoscaling.serve_config(m.max_num_seqs)}),
     ).bind(
         engine_settings=m.engine(),
         served_model_name=m.served_model_name,

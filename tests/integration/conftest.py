@@ -236,12 +236,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The chaos test runs last: it kills the policy actor, an enrichment replica and the model
-    replica, and what those restarts leave behind (a restarted actor's fresh counters, a level
-    still raised) must not be what another test starts from.
+    """The chaos test runs last but one: it kills the policy actor, an enrichment replica and the
+    model replica, and what those restarts leave behind (a restarted actor's fresh counters, a
+    level still raised) must not be what another test starts from.
+
+    The autoscaling test runs last of all: it redeploys the app with an autoscaled model and a
+    test policy and leaves them deployed (the session ends the cluster after it), and it waits
+    for level 0 itself before it starts.
 
     The multi-node test runs first of all: it starts a two-node cluster of its own (with its own
     vLLM engine) and ends it before the session cluster above is started, so the two never share
     the machine's cores and memory."""
     items.sort(key=lambda item: item.nodeid.startswith("tests/integration/test_chaos.py"))
+    items.sort(key=lambda item: item.nodeid.startswith("tests/integration/test_autoscaling.py"))
     items.sort(key=lambda item: not item.nodeid.startswith("tests/integration/test_multinode.py"))

@@ -201,7 +201,8 @@ def test_derived_policy_from_the_slo_alone() -> None:
 
     cfg = derive_policy(parse_policy({"slo": {"e2e_p99_ms": 2000, "ttft_p99_ms": 800}}), max_num_seqs=16)
     assert cfg.trigger_thresholds(1) == {"model_queued": 4, "queue_length": 4, "predicted_wait_ms": 700,
-                                         "refused_ratio": 0.02, "kv_cache_usage": 0.8}
+                                         "refused_ratio": 0.02, "kv_cache_usage": 0.8,
+                                         "model_replicas_pending": 1}
     assert cfg.trigger_thresholds(2) == {"model_queued": 8, "queue_length": 8, "predicted_wait_ms": 1000,
                                          "refused_ratio": 0.05, "kv_cache_usage": 0.9, "p95_latency_ms": 1800}
     assert cfg.trigger_thresholds(3) == {"model_queued": 12, "queue_length": 12, "predicted_wait_ms": 1400,
@@ -210,6 +211,9 @@ def test_derived_policy_from_the_slo_alone() -> None:
     # refusals at the door: any level recovers only once the window has (almost) none
     assert all(cfg.recover_thresholds(lv)["refused_ratio"] == 0.005 for lv in (1, 2, 3))
     assert cfg.recover_thresholds(3)["predicted_wait_ms"] == pytest.approx(840)
+    # a pending model replica raises level 1 only, which recovers once none is pending
+    assert cfg.recover_thresholds(1)["model_replicas_pending"] == 0.5
+    assert "model_replicas_pending" not in cfg.trigger_thresholds(2)
     # levels it had to add carry the default plan and the shipped dwell and cooldown
     assert cfg.off_levels() == default_policy_off_levels()
     assert (cfg.dwell_s(2), cfg.cooldown_s(2)) == (30, 15)
