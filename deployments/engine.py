@@ -18,6 +18,7 @@ process died, it refused with an HTTP status such as a full queue, any server-si
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import time
@@ -273,6 +274,9 @@ class LLMEngine:
         self._engine: AsyncLLM | None = None
         self._tokenizer: Any = None
         self._scheduler = _SchedulerSnapshot()
+        # (wall time, vLLM's waiting count) at every engine step that changed it: when the queue
+        # crossed a trigger, to the step (bench/control_latency.py times the control path from it)
+        self.waiting_changes: collections.deque[tuple[float, int]] = collections.deque(maxlen=512)
         self._ttft_ms = SlidingWindow(clock, window_s, max_samples)
         self._latency_ms = SlidingWindow(clock, window_s, max_samples)
         self._inflight = 0
@@ -463,6 +467,8 @@ class LLMEngine:
     # --- internals --------------------------------------------------------------------------
 
     def _on_scheduler_stats(self, snapshot: _SchedulerSnapshot) -> None:
+        if snapshot.num_waiting_reqs != self._scheduler.num_waiting_reqs:
+            self.waiting_changes.append((time.time(), snapshot.num_waiting_reqs))
         self._scheduler = snapshot
 
     async def _abort(self, engine: AsyncLLM, request_id: str) -> None:

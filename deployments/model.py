@@ -240,6 +240,7 @@ class VLLMModel:
             "pid": os.getpid(),
             **asdict(self.engine.stats()),
             "dropped_late": self.dropped_late,
+            "waiting_changes": list(self.engine.waiting_changes),
             "engine_alive": not self.engine.errored,
             "engine_failures": self.engine_failures,
             "gpu": {"available": gpu.available, "reason": gpu.reason, "read_errors": self.gpu.read_errors,

@@ -37,6 +37,7 @@ carries ``X-Brownout-Level`` and ``X-Brownout-Bypassed``.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import os
@@ -466,7 +467,7 @@ class Ingress:
         kinds = workers(features)
         self.local = {k: kinds[k].build(s) for k, s in local_settings.items() if k in kinds}
         by_feature = {f.name: self.local[f.worker.kind] for f in features if f.host is None}
-        source = replica_source("Ingress")
+        source = self.source = replica_source("Ingress")
         spool_root = Path(spool_dir).expanduser() if spool_dir else None
         rank = _replica_rank()
         outcomes = ServeCounter("brownout_stage_outcomes", "Optional stages not run as asked, by outcome",
@@ -490,6 +491,9 @@ class Ingress:
         self._pending_policy: dict[str, Any] | None = None  # a deployed policy the actor has not taken yet
         self._push_task: asyncio.Task[None] | None = None
         self.view_fetched_at = 0.0
+        # (wall time, level) whenever this replica starts serving another level: the end of the
+        # control path that bench/control_latency.py times
+        self.level_changes: collections.deque[tuple[float, int]] = collections.deque(maxlen=64)
         self._view_seq = -1  # the actor's view_seq of self.view (-1: none yet, answered at once)
         self.enrichment_handles = handles
         if policy_link is None:
@@ -534,6 +538,8 @@ class Ingress:
             doc = await self.policy.call("get_config")
             self._apply_policy(parse_policy(doc["config"]))
             self.policy_version = doc["config_version"]
+        if view.level != self.view.level:
+            self.level_changes.append((time.time(), int(view.level)))
         self.view, self.view_fetched_at, self._view_seq = view, time.time(), int(seq)
         self.gate.set_level(int(view.level))  # admission uses the service model measured at this level
 
@@ -995,6 +1001,7 @@ class Ingress:
             "admission": self.gate.state(),
             "largest_refused_body_read": self.largest_refused_read,
             "model_health": self.model_health.state(),
+            "replica": self.source, "level_changes": list(self.level_changes),
         }
         return JSONResponse(state)
 
