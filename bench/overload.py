@@ -302,6 +302,23 @@ def pin_level(base: str, level: int | None, ttl_s: float = 3600) -> None:
     raise RuntimeError(f"level pin {level} not in force after 15 s")
 
 
+def transitions_since(base: str, wall0: float) -> list[dict[str, Any]]:
+    """The policy's level changes since ``wall0`` (the run's start, on the actor's wall clock),
+    each with the signal, value and threshold that caused it: which early signal raised a level."""
+    with http(base) as c:
+        r = c.get("/admin/brownout/history", params={"n": 500})
+    if r.status_code != 200:
+        return [{"error": f"{r.status_code} {r.text[:200]}"}]
+    out = []
+    for t in r.json():
+        if t["at"] < wall0:
+            continue
+        reason = t.get("reason") or {}
+        out.append({"t_s": round(t["at"] - wall0, 3), "from": t["from"], "to": t["to"],
+                    **{k: reason[k] for k in ("kind", "signal", "value", "threshold") if k in reason}})
+    return out
+
+
 def set_admission(base: str, policy_doc: dict[str, Any], enabled: bool) -> None:
     """Apply the deployed policy with admission switched on or off (through the policy actor,
     which every ingress follows); wait until the ingress has it."""
@@ -549,10 +566,12 @@ class Bench:
 
     def run(self, name: str, system: str, base: str, profile: Profile, brownout: bool, **extra: Any) -> dict[str, Any]:
         log(f"run {name}: {profile.name}")
-        t0 = time.monotonic()
+        t0, wall0 = time.monotonic(), time.time()
         result = run_profile(base, profile, self.plan, name)
         noise = NOISE.mean(t0, time.monotonic())
         doc = rep.run_report(name, result, self.plan.slo.slo_ms, system=system, other_cpu_cores=noise, **extra)
+        if system == "brownout-adaptive":
+            doc["transitions"] = transitions_since(base, wall0)
         o = doc["overall"]
         log(f"  {name}: offered {o['offered_rps']} goodput {o['goodput_rps']} req/s, p99 {o['e2e_ms']['p99']} ms, "
             f"status {o['status_counts']}, max level {o['max_level_seen']}, other processes used {noise} cores")

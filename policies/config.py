@@ -72,8 +72,9 @@ SIGNAL_AGGREGATION: Mapping[str, Literal["sum", "max"]] = {
     "model_queued": "sum",  # requests admitted and waiting for the model's batch wherever they
     #                         wait, as each ingress counts its own
     "predicted_wait_ms": "max",  # the ingress admission controller's predicted queueing delay:
-    #                              the service model's per-request time x requests in flight,
-    #                              scaled so it reaches the SLO when a new request would miss it
+    #                              the service model's per-request time x requests in flight
+    #                              (averaged over admission.wait_smoothing_s), scaled so it
+    #                              reaches the SLO when a new request would miss it
     "refused_ratio": "max",  # 0-1, share of requests an ingress refused at the door for capacity
     #                          (429/503) over admission.refusal_window_s: demand beyond what
     #                          the level in force serves, which in-flight counts cannot show
@@ -346,6 +347,11 @@ class AdmissionConfig(_Strict):
         default=5.0, gt=0.0, le=300.0, allow_inf_nan=False,
         description="the refused_ratio signal is the share of requests refused at the door for "
         "capacity over the last this-many seconds",
+    )
+    wait_smoothing_s: float = Field(
+        default=4.0, ge=0.0, le=60.0, allow_inf_nan=False,
+        description="time constant over which the predicted_wait_ms signal averages the requests "
+        "in flight (0: the instant count): levels follow sustained load, the door every request",
     )
     min_retry_after_s: int = Field(default=1, ge=1, le=3600)
     max_retry_after_s: int = Field(default=30, ge=1, le=3600)

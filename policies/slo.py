@@ -31,11 +31,14 @@ The rule, and why:
   refused at about half of the room and standard at about 70%: level 1 comes before any
   refusal, level 2 with the first sheddable ones, level 3 before standard work is refused. Where
   one request alone takes much of it (4 s SLO, 1.5 s alone on 2 CPU cores, each request in
-  flight adding about 0.8 s), the room holds three requests: one in flight stays at level 0,
-  two raise level 2 at once and three level 3, which is what such a machine needs. Level 1 sits
+  flight adding about 0.8 s), the room holds three requests: one in flight on average stays
+  at level 0, two raise level 2 and three level 3, which is what such a machine needs. The
+  count is averaged over ``admission.wait_smoothing_s`` (4 s), so a moment of two Poisson
+  arrivals at half the capacity does not switch features off for a whole dwell; sustained,
+  the levels come within seconds (and refusals at the door raise them at once). Level 1 sits
   at 35% rather than lower so that a single request in flight on such a machine (about a
-  third of the room) does not hold level 1 for as long as any traffic lasts. The wait is 0
-  when nothing is in flight, so every level can recover when load is gone.
+  third of the room) does not hold level 1 for as long as any traffic lasts. The wait falls
+  to 0 once nothing is in flight, so every level can recover when load is gone.
   ``refused_ratio`` is the share of requests the ingress refused for capacity over the last
   ``admission.refusal_window_s`` (`policies.admission.RefusalWindow`). Admission holds the
   in-flight count, and so the predicted wait, under the SLO by refusing; past capacity those

@@ -273,7 +273,8 @@ def test_bursty_completions_do_not_drift_the_estimate_up() -> None:
 
 
 def test_signals_for_the_policy_actor() -> None:
-    ctl = controller(slots=8)  # prior: 0.1 s alone and per request, in a 2.1 s SLO
+    # prior: 0.1 s alone and per request, in a 2.1 s SLO; the instant count (no smoothing)
+    ctl = controller(settings_=SETTINGS.model_copy(update={"wait_smoothing_s": 0.0}), slots=8)
     idle = {"predicted_wait_ms": 0.0, "model_queued": 0.0, "refused_ratio": 0.0}
     assert ctl.signals(0, 0.0) == idle  # idle: levels can recover
     # 12 ahead wait 1.2 s; the SLO over the room the unloaded latency leaves: 2.1 / 2.0
@@ -555,3 +556,44 @@ def test_shed_order_holds_with_reservation() -> None:
     _offer(ctl, S, 3.0, 20.0)
     caps = [ctl.class_cap(k, 20.0) for k in (C, S, D)]
     assert caps[0] >= caps[1] >= caps[2] >= 1
+
+
+def _wait_ms(ctl: AdmissionController, counts: list[tuple[float, int]]) -> list[float]:
+    return [ctl.signals(n, t)["predicted_wait_ms"] for t, n in counts]
+
+
+def test_predicted_wait_averages_the_requests_in_flight_over_the_smoothing_time() -> None:
+    ctl = controller(settings_=SETTINGS.model_copy(update={"wait_smoothing_s": 4.0}), slots=8)
+    per_in_flight = 105.0  # 0.1 s per request ahead, on the 2.1 / 2.0 scale: the instant figure of one
+    waits = _wait_ms(ctl, [(0.0, 0), (0.25, 2), (2.0, 2), (2.25, 0)])
+    assert waits[0] == 0.0
+    # two requests for a moment: far below the instant 210 ms
+    assert waits[1] == pytest.approx(2 * (1 - math.exp(-0.25 / 4)) * per_in_flight, abs=0.1)
+    assert waits[1] < waits[2] < 2 * per_in_flight
+    assert waits[3] < waits[2]  # falls once they are gone
+    # sustained, it reaches the instant figure
+    t = 2.25
+    while t < 40:
+        t += 0.25
+        ctl.signals(3, t)
+    assert ctl.signals(3, t + 0.25)["predicted_wait_ms"] == pytest.approx(3 * per_in_flight, rel=0.01)
+
+
+def test_predicted_wait_is_exactly_zero_soon_after_the_load_is_gone() -> None:
+    ctl = controller()
+    t = 0.0
+    for _ in range(40):
+        t += 0.25
+        ctl.signals(5, t)
+    zero_at = None
+    while zero_at is None and t < 60:
+        t += 0.25
+        if ctl.signals(0, t)["predicted_wait_ms"] == 0.0:
+            zero_at = t
+    assert zero_at is not None and zero_at - 10.0 < 4.0 * math.log(5 / 0.01) + 0.5  # a few time constants
+
+
+def test_the_first_report_and_a_repeated_instant_take_the_count_as_it_is() -> None:
+    ctl = controller(settings_=SETTINGS.model_copy(update={"wait_smoothing_s": 4.0}), slots=8)
+    assert ctl.signals(4, 10.0)["predicted_wait_ms"] == pytest.approx(4 * 105.0)
+    assert ctl.signals(0, 10.0)["predicted_wait_ms"] == pytest.approx(4 * 105.0)  # no time passed: unchanged
