@@ -619,10 +619,10 @@ class AdmissionController:
         SLO it is the plain queueing delay. The count of requests in flight is averaged over
         ``wait_smoothing_s`` (4 s): the door decides on the instant count, but a level switches
         features off for at least its dwell (30 s), so it follows sustained load, not a clump of
-        two Poisson arrivals (measured: at half of C0 on 2 cores, where one request alone takes
-        40% of a 4 s SLO, two requests in flight for a moment read 64% and held level 2; averaged,
-        such a moment stays below level 1's 35%, while a step to 3 x C0 still reaches it within
-        2 s, and its refusals raise the level at once). It falls to exactly 0 within a few time
+        two Poisson arrivals (on 2 cores, where one request alone takes 40% of a 4 s SLO, two
+        requests in flight for a moment read 64%, level 2; averaged, such a moment of 1.8 s at
+        half of C0 stays near 30%, below level 1's 35%, while three requests in flight reach 35%
+        within 2 s, and refusals at the door raise the level at once). It falls to exactly 0 within a few time
         constants once nothing is in flight, so a level raised on it can always recover when the
         load is gone.
 
