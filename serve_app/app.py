@@ -42,8 +42,10 @@ class ModelAutoscaling(BaseModel):
         "default max_num_seqs (one full batch per replica)")
     upscale_delay_s: float = Field(default=5.0, ge=0, allow_inf_nan=False)
     downscale_delay_s: float = Field(default=120.0, ge=0, allow_inf_nan=False)
-    look_back_period_s: float = Field(default=15.0, gt=10.0, allow_inf_nan=False,
-                                      description="the window Serve averages ongoing requests over (above its 10 s metrics interval)")
+    look_back_period_s: float = Field(
+        default=15.0, gt=0, allow_inf_nan=False,
+        description="the window Serve averages ongoing requests over; keep it above the interval at "
+        "which replicas push their queue (RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S, 10 s)")
 
     @model_validator(mode="after")
     def _bounds(self) -> ModelAutoscaling:

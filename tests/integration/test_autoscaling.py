@@ -3,7 +3,8 @@ Brownout's policy function, the policy degrades while the new replica is pending
 once it serves, and the count falls again only after the policy is back at level 0.
 
 The session's app is redeployed with ``model.autoscaling`` (one to two replicas, two requests per
-replica as the target, no upscale delay, a 5 s downscale delay) and an SLO of 60 s: with that
+replica as the target, no upscale delay, a 3 s downscale delay and look-back; the session
+cluster pushes queue metrics every second, conftest) and an SLO of 60 s: with that
 budget nothing is refused and no queue or latency trigger fires at this load, so the only
 signal that can raise the level is ``model_replicas_pending``. Six clients keep long streamed
 answers going until the second replica serves.
@@ -56,7 +57,7 @@ def autoscaled_config(cluster: Cluster) -> dict[str, Any]:
     app = config["applications"][0]
     app["args"]["model"]["autoscaling"] = {
         "min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2,
-        "upscale_delay_s": 0, "downscale_delay_s": 5, "look_back_period_s": 11,
+        "upscale_delay_s": 0, "downscale_delay_s": 3, "look_back_period_s": 3,
     }
     (ingress,) = [d for d in app["deployments"] if d["name"] == "Ingress"]
     policy = ingress["user_config"]["policy"]["degradation"]
@@ -117,7 +118,7 @@ def test_model_autoscales_while_the_policy_degrades_and_recovers(deployed: Clust
         return False
 
     with Clients(deployed, 6) as clients:
-        # Serve's replicas push their queue every 10 s; the replica is asked for after that
+        # Serve's replicas push their queue every second here; the replica is asked for after that
         wait_for("a pending replica raising the level", pending_and_degraded, 120, 0.25)
         trigger = [t for t in seen_pending["recent_transitions"] if t["to"] > t["from"]]
         assert trigger and trigger[-1]["reason"]["signal"] == "model_replicas_pending", trigger
@@ -129,8 +130,8 @@ def test_model_autoscales_while_the_policy_degrades_and_recovers(deployed: Clust
         wait_for("level 0 with both replicas serving", lambda: actor_state()["level"] == 0, 60, 1)
         assert running(model_replicas()) == 2  # under load at level 0: the count holds
     assert clients.statuses and set(clients.statuses) == {200}, sorted(set(clients.statuses))
-    # the load is gone and the policy is at level 0: the count may fall (downscale delay 5 s,
-    # behind Serve's 10 s metrics push and 11 s look-back)
+    # the load is gone and the policy is at level 0: the count may fall (downscale delay 3 s,
+    # behind the 3 s look-back)
     wait_for("back to one model replica", lambda: running(model_replicas()) == 1
              and sum(model_replicas().values()) == 1, 180, 2)
     # nothing but the pending replica raised the level during the whole run

@@ -240,7 +240,7 @@ def test_autoscaling_args_become_serves_autoscaling_config() -> None:
         ({"max_replicas": 0}, "model.autoscaling.max_replicas"),
         ({"min_replicas": 3, "max_replicas": 2}, "max_replicas=2 must be >= min_replicas=3"),
         ({"max_replicas": 2, "min_replicas": 0}, "model.autoscaling.min_replicas"),
-        ({"max_replicas": 2, "look_back_period_s": 5}, "model.autoscaling.look_back_period_s"),
+        ({"max_replicas": 2, "look_back_period_s": 0}, "model.autoscaling.look_back_period_s"),
         ({"max_replicas": 2, "upscale_delay": 1}, "upscale_delay"),
         ({}, "model.autoscaling.max_replicas"),
     ],
