@@ -68,6 +68,12 @@ K8S_ARGS: Mapping[str, str] = {
     "auth.admin_token_file": "the brownout-auth Secret, mounted on the head",
 }
 
+# Builder args only the RayService has (every key under them), and why.
+K8S_ADDED_ARGS: Mapping[str, str] = {
+    "model.autoscaling": "model replicas follow the load; KubeRay's autoscaler adds a GPU pod for each "
+    "(the local demo has one CPU engine)",
+}
+
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
@@ -429,8 +435,9 @@ def test_serve_config_v2_is_serve_config_yamls_application_with_only_the_kuberne
     assert config["http_options"]["port"] == local["http_options"]["port"]
     assert config["http_options"]["host"] == "0.0.0.0", "the proxy must listen on the pod's address"
     ours, theirs = flatten(app["args"]), flatten(local_app["args"])
-    assert set(ours) == set(theirs), sorted(set(ours) ^ set(theirs))
-    changed = {k for k in ours if ours[k] != theirs[k]}
+    added = {k for k in set(ours) - set(theirs) if any(k.startswith(a + ".") for a in K8S_ADDED_ARGS)}
+    assert set(ours) - added == set(theirs), sorted((set(ours) - added) ^ set(theirs))
+    changed = {k for k in ours if k not in added and ours[k] != theirs[k]}
     assert changed <= set(K8S_ARGS), sorted(changed - set(K8S_ARGS))
     # the whole args still pass the builder's validation (unknown keys and bad values fail)
     from serve_app.app import BrownoutArgs
@@ -586,3 +593,15 @@ def test_the_state_directory_is_a_volume_on_the_head() -> None:
     data_dir = the_app(serve_config_v2(doc))["args"]["enrichments"]["data_dir"]
     volume = mount_holding(head, data_dir)
     assert volume is not None and not volume["mount"].get("readOnly"), data_dir
+
+
+def test_an_autoscaled_model_has_gpu_pods_to_scale_into() -> None:
+    """Each model replica asks for a GPU: the GPU group must be allowed one pod per replica, and
+    KubeRay's autoscaler must be on to add them while Brownout degrades."""
+    doc = the_rayservice()
+    autoscaling = the_app(serve_config_v2(doc))["args"]["model"].get("autoscaling")
+    assert autoscaling, "the RayService's model autoscales (README: Autoscaling the model)"
+    assert doc["spec"]["rayClusterConfig"].get("enableInTreeAutoscaling") is True
+    (gpu_group,) = [g for g in groups(doc)[1] if gpus(ray_container(g))["limits"]]
+    assert gpu_group["maxReplicas"] >= autoscaling["max_replicas"]
+    assert gpu_group["minReplicas"] <= autoscaling.get("min_replicas", 1) <= gpu_group["replicas"]
