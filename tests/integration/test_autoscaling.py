@@ -4,10 +4,10 @@ once it serves, and the count falls again only after the policy is back at level
 
 The session's app is redeployed with ``model.autoscaling`` (one to two replicas, two requests per
 replica as the target, no upscale delay, a 3 s downscale delay and look-back; the session
-cluster pushes queue metrics every second, conftest) and an SLO of 60 s: with that
-budget nothing is refused and no queue or latency trigger fires at this load, so the only
-signal that can raise the level is ``model_replicas_pending``. Six clients keep long streamed
-answers going until the second replica serves.
+cluster pushes queue metrics every second, conftest) and an SLO of 120 s: with that
+budget nothing is refused and no queue, predicted-wait or latency trigger fires or holds at
+this load, so the only signal that can raise the level is ``model_replicas_pending``. Six
+clients keep streamed answers of 48 tokens going until the second replica serves.
 
 It runs last (after the chaos test): it leaves the autoscaled app deployed, which no other test
 expects, and the session ends the cluster after it.
@@ -49,7 +49,12 @@ def wait_for(what: str, check: Any, timeout_s: float, every_s: float = 0.5) -> A
         if last:
             return last
         time.sleep(every_s)
-    raise AssertionError(f"{what}: not within {timeout_s:g} s (last: {last!r})")
+    st = actor_state()
+    why = {k: st.get(k) for k in ("level", "recovery_blocked_by", "calm_since", "recent_transitions")}
+    why["signals"] = st["signals"]
+    why["level1_recover"] = {sig: lv["1"]["recover"] for sig, lv in (st.get("thresholds") or {}).items() if "1" in lv}
+    raise AssertionError(f"{what}: not within {timeout_s:g} s (last: {last!r}); policy: {why}; "
+                         f"model replicas: {model_replicas()}")
 
 
 def autoscaled_config(cluster: Cluster) -> dict[str, Any]:
@@ -61,14 +66,14 @@ def autoscaled_config(cluster: Cluster) -> dict[str, Any]:
     }
     (ingress,) = [d for d in app["deployments"] if d["name"] == "Ingress"]
     policy = ingress["user_config"]["policy"]["degradation"]
-    policy["slo"]["e2e_p99_ms"] = 60000
+    policy["slo"]["e2e_p99_ms"] = 120000
     for key in ("level1", "level2", "level3"):
         policy[key].update(recover_dwell_s=3, cooldown_s=1)
     return config
 
 
 class Clients:
-    """``n`` clients each sending long streamed answers one after another until stopped."""
+    """``n`` clients each sending streamed answers one after another until stopped."""
 
     def __init__(self, cluster: Cluster, n: int) -> None:
         self.cluster, self.stop = cluster, threading.Event()
@@ -76,8 +81,8 @@ class Clients:
         self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(n)]
 
     def _run(self, i: int) -> None:
-        body = {"model": MODEL, "stream": True, "max_tokens": 200, "ignore_eos": True,
-                "messages": [{"role": "user", "content": f"client {i}: tell a long story"}]}
+        body = {"model": MODEL, "stream": True, "max_tokens": 48, "ignore_eos": True,
+                "messages": [{"role": "user", "content": f"client {i}: tell a story"}]}
         with self.cluster.client(timeout=120) as http:
             while not self.stop.is_set():
                 try:
