@@ -597,14 +597,16 @@ class AdmissionController:
         and the average has fallen below a hundredth of a request."""
         tau = self.settings.wait_smoothing_s
         prev, at = self._in_flight_avg
-        if tau <= 0 or at is None or now <= at:
-            avg = float(in_flight) if tau <= 0 or at is None else prev
-        else:
+        if tau <= 0 or at is None:
+            avg, at = float(in_flight), now if at is None else max(at, now)
+        elif now > at:
             keep = math.exp(-(now - at) / tau)
-            avg = keep * prev + (1.0 - keep) * in_flight
+            avg, at = keep * prev + (1.0 - keep) * in_flight, now
+        else:  # no time has passed: the average stands
+            avg = prev
         if in_flight == 0 and avg < 0.01:
             avg = 0.0
-        self._in_flight_avg = (avg, now if at is None or now > at else at)
+        self._in_flight_avg = (avg, at)
         return avg
 
     def signals(self, in_flight: int, now: float) -> dict[str, float]:
@@ -622,9 +624,9 @@ class AdmissionController:
         two Poisson arrivals (on 2 cores, where one request alone takes 40% of a 4 s SLO, two
         requests in flight for a moment read 64%, level 2; averaged, such a moment of 1.8 s at
         half of C0 stays near 30%, below level 1's 35%, while three requests in flight reach 35%
-        within 2 s, and refusals at the door raise the level at once). It falls to exactly 0 within a few time
-        constants once nothing is in flight, so a level raised on it can always recover when the
-        load is gone.
+        within 2 s, and refusals at the door raise the level at once). It falls to exactly 0
+        within a few time constants once nothing is in flight, so a level raised on it can always
+        recover when the load is gone.
 
         ``refused_ratio``: the share of this replica's door decisions over the last
         ``refusal_window_s`` that refused for capacity (see the module docstring).
