@@ -14,8 +14,8 @@ replica and the engine idle, it sends a burst of ``--burst`` concurrent streamed
 reads afterwards, on one clock (one machine):
 
 - **crossing**: the wall time of the engine step at which vLLM's waiting count first reached the
-  trigger (the engine records every step that changes it: ``waiting_changes`` in the model's
-  stats);
+  trigger (the engine records every step that changes it: the model deployment's
+  ``waiting_changes()``);
 - **decision**: the policy actor's transition to level 1 (its history);
 - **served**: when each ingress replica started serving level 1 (``level_changes`` in
   ``GET /admin/brownout``'s ``ingress`` part; the admin route is asked until every replica has
@@ -33,11 +33,8 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
-import shutil
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -162,22 +159,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from policies.actor import get_policy_actor
 
-    tmp = Path(tempfile.mkdtemp(prefix="bo-control-"))
-    http_port, dash_port = ov.free_port(), ov.free_port()
-    base = f"http://127.0.0.1:{http_port}"
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(address="local", num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1",
-             dashboard_port=dash_port, _temp_dir=str(tmp / "ray"), log_to_driver=False)
+    cluster = ov.Cluster(None, f"control path, {args.bursts} bursts")
+    base, config = cluster.base, cluster.config
     t_start = time.monotonic()
     try:
-        config = ov.serve_config(http_port, tmp / "data")
         app = config["applications"][0]
         (ingress,) = [d for d in app["deployments"] if d["name"] == "Ingress"]
         ingress["num_replicas"] = args.ingress_replicas
         ingress["user_config"]["policy"] = burst_policy(ingress["user_config"]["policy"], args.trigger)
         ov.log(f"deploying: {args.ingress_replicas} ingress replicas, level 1 at queue_length >= {args.trigger}")
-        ov.deploy_brownout(f"http://127.0.0.1:{dash_port}", config, tmp)
+        ov.deploy_brownout(cluster.dashboard, config, cluster.tmp)
         ov.wait_healthy(base, "/healthz")
         model = serve.get_deployment_handle("VLLMModel", app_name=ov.APP)
         send_burst(base, 4, 8, "warm-up")
@@ -187,7 +178,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ov.wait_idle(base, True)
             t_sent = time.time()
             statuses = send_burst(base, args.burst, args.max_tokens, f"burst {i}")
-            waiting = model.stats.remote().result()["waiting_changes"]
+            waiting = model.waiting_changes.remote().result()
             history = ray.get(get_policy_actor().history.remote(50))
             ups = [t["at"] for t in history if t["from"] == 0 and t["to"] >= 1 and t["at"] >= t_sent]
             served = {name: s["level_changes"] for name, s in ingress_states(base, args.ingress_replicas).items()}
@@ -197,11 +188,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             bursts.append(row)
             ov.log(f"burst {i}: " + json.dumps({k: v for k, v in row.items() if k != "per_replica_s"}))
     finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            shutil.rmtree(tmp, ignore_errors=True)
+        cluster.close()
     done = [b for b in bursts if b.get("complete")]
     total = [b["crossing_to_served_all_s"] for b in done]
     summary = {

@@ -664,9 +664,10 @@ def deploy_builtin(http_port: int, config: dict[str, Any]) -> None:
 
 
 class Cluster:
-    """A private local Ray cluster (temp dir, free ports) and the config to deploy on it."""
+    """A private local Ray cluster (temp dir, free ports) and the config to deploy on it.
+    ``plan``: its SLO is set in the config's policy; None leaves the policy as shipped."""
 
-    def __init__(self, plan: Plan, what: str) -> None:
+    def __init__(self, plan: Plan | None, what: str) -> None:
         import ray
 
         self.tmp = Path(tempfile.mkdtemp(prefix="bo-overload-"))
@@ -675,13 +676,14 @@ class Cluster:
         self.dashboard = f"http://127.0.0.1:{self.dash_port}"
         self.config = serve_config(self.http_port, self.tmp / "data")
         self.policy_doc = ingress_policy(self.config)
-        if "slo" in self.policy_doc["degradation"]:
+        if plan is not None and "slo" in self.policy_doc["degradation"]:
             # The server holds the SLO the benchmark judges by: admission and the derived levels
             # aim at the same objective as the goodput figures.
             self.policy_doc["degradation"]["slo"]["e2e_p99_ms"] = plan.slo.slo_ms
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        log(f"Ray cluster (private, {self.tmp.name}); {what}; SLO p99 e2e {plan.slo.slo_ms:g} ms")
+        slo = "" if plan is None else f"; SLO p99 e2e {plan.slo.slo_ms:g} ms"
+        log(f"Ray cluster (private, {self.tmp.name}); {what}{slo}")
         # 4 logical CPUs: the built-in app needs its engine, router and ingress; one app at a time.
         ray.init(address="local", num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1",
                  dashboard_port=self.dash_port, _temp_dir=str(self.tmp / "ray"), log_to_driver=False)

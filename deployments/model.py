@@ -240,12 +240,17 @@ class VLLMModel:
             "pid": os.getpid(),
             **asdict(self.engine.stats()),
             "dropped_late": self.dropped_late,
-            "waiting_changes": list(self.engine.waiting_changes),
             "engine_alive": not self.engine.errored,
             "engine_failures": self.engine_failures,
             "gpu": {"available": gpu.available, "reason": gpu.reason, "read_errors": self.gpu.read_errors,
                     "util_ratio": gpu.util_ratio, "mem_ratio": gpu.mem_ratio},
         }
+
+    async def waiting_changes(self) -> list[tuple[float, int]]:
+        """``(wall time, vLLM's waiting count)`` at each of the last engine steps that changed it
+        (`bench/control_latency.py`: when the queue crossed a trigger). Kept out of `stats`, which
+        ``/healthz`` returns on every probe."""
+        return list(self.engine.waiting_changes)
 
     async def health(self) -> dict[str, Any]:
         """What ``check_health`` finds, as a value (the ingress probes it): ``{"ok": bool, "reason"}``."""
