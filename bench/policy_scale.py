@@ -28,14 +28,18 @@ over one interval, as replicas start at different times. The signal dicts are a 
 ``predicted_wait_ms``, ``refused_ratio``, ``p95_latency_ms``, ``avg_latency_ms``), each value
 drawn afresh per report, at a light load (no trigger of the default policy holds).
 
-``--per-node N`` measures the remedy for what the default run shows (issue 14, deliverable 4:
-reports batched per node): the replicas are grouped N to a node, and one reporter per node folds
-their signals with the actor's own `policies.signals.Aggregator` and sends the fold as one
-``report(node, signals, stale)`` every interval (a fold of folds equals the flat fold,
-tests/unit/test_signals.py). ``--readers-per-node M`` does the same for the readers: one poll
-of ``view`` per node of M ingress replicas, which all take its answer. The hops within a node run
-on each node's own CPU in a cluster and are not simulated here: only what reaches the policy
-actor is.
+``--per-node N`` measures the shipped per-node path (issue 14, deliverable 4:
+`deployments.node_reporter`): each replica reports to its node's reporter, whose
+`deployments.reporting.ReportBatcher` sends the node's reports on with ``report_many`` (at most
+one call per ``BATCH_GAP_S``, never two in flight); sources stay per replica. The replicas are
+grouped N to a simulated node, each node with its own shipped `ReportBatcher` (timed as
+"forward"), fed in-process by its replicas' shipped `signal_reporter`s (`NodeHop`): on a cluster
+that hand-on is a local Ray call on each node's own CPU, which a thousand of on 2 cores would
+only measure the 2 cores. It is measured instead on a real `NodeReporter` actor in this cluster:
+``--local-real`` (2) replicas per client report to it with real Ray calls, and those calls are
+the "report" figure of a per-node run (the reporter sends them on to the same actor).
+``--readers-per-node M`` does the same for the readers: one poll of ``view`` per node of M
+ingress replicas, which all take its answer.
 
 The clients share the 2 cores with the actor, Ray's own processes and the driver, so caller-side
 latencies include the clients' own queueing (250 replicas on one loop, where a real replica has
@@ -87,6 +91,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.overload import free_port, log
+from deployments.reporting import BATCH_GAP_S
 from deployments.window import percentile  # the project's one percentile (numpy's linear rule)
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -262,6 +267,8 @@ class SimClient:
         self.tasks: list[Any] = []
         self.links: list[Any] = []
         self.reports: list[tuple[float, float]] = []  # (wall time done, ms)
+        self.forwards: list[tuple[float, float]] = []  # a simulated node's report_many
+        self.batchers: list[Any] = []
         self.views: list[tuple[float, float]] = []
         self.seen: list[list[tuple[float, int]]] = []
         self.lag: list[tuple[float, float]] = []  # (wall time, ms this loop woke late)
@@ -272,26 +279,25 @@ class SimClient:
 
     async def start(self, handle: Any, sources: Sequence[tuple[str, str]], readers: int, report_s: float,
                     refresh_s: float, per_node: int = 1, name: str = "c0", readers_per_node: int = 1,
-                    watch: bool = False) -> int:
+                    watch: bool = False, reporter: Any = None, local_real: int = 0) -> int:
         import psutil
 
-        from deployments.reporting import ActorLink, PeriodicTask, signal_reporter
+        from deployments.reporting import ActorLink, PeriodicTask, ReportBatcher, signal_reporter
         from policies.config import SIGNALS
         from policies.features import PolicyView
-        from policies.signals import Aggregator, Report
 
         known = frozenset(SIGNALS)
 
         self.cpu0 = _cpu_s(psutil.Process())
         loop = self.loop = asyncio.get_running_loop()
         self.heartbeat = loop.create_task(self._heartbeat())
-        sink_r, sink_v = self.reports, self.views
+        sink_r, sink_v, sink_f = self.reports, self.views, self.forwards
 
         class TimedLink(ActorLink):
             """The replicas' link, timed around each successful call as its caller sees it."""
 
-            def __init__(self, sink: list[tuple[float, float]]) -> None:
-                super().__init__(lambda: handle)
+            def __init__(self, sink: list[tuple[float, float]], to: Any = None) -> None:
+                super().__init__(lambda: handle if to is None else to)
                 self.sink = sink
 
             async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -300,7 +306,7 @@ class SimClient:
                 self.sink.append((time.time(), (time.perf_counter() - t0) * 1000.0))
                 return result
 
-        if per_node <= 1:  # every replica reports itself, as today
+        if per_node <= 1:  # every replica reports itself to the actor (before the node reporters)
             for source, kind in sources:
                 link = TimedLink(sink_r)
                 rng = random.Random(self.rng.random())
@@ -309,28 +315,29 @@ class SimClient:
                 self.links.append(link)
                 self.tasks.append(task)
                 loop.call_later(self.rng.uniform(0, report_s), task.start)
-        for k in range(0, len(sources) if per_node > 1 else 0, per_node):
-            # one reporter per node: its replicas' signals folded with the actor's own Aggregator,
-            # sent on as one report(source, signals, stale) (`Signals.report_args`)
-            members = [(src, kind, random.Random(self.rng.random())) for src, kind in sources[k:k + per_node]]
-            link = TimedLink(sink_r)
-            node = f"node:{name}-{k // per_node}"
-
-            async def node_step(link: Any = link, members: Any = members, node: str = node,
-                                fold: Aggregator = Aggregator()) -> None:
-                now = time.time()
-                for src, kind, rng in members:
-                    fold.add(Report(src, now, draw_signals(kind, rng, known)))
-                values, stale = fold.aggregate(now).report_args()
-                if stale:
-                    await link.call("report", node, values, stale)
-                else:
-                    await link.call("report", node, values)
-
-            task = PeriodicTask(f"report:{node}", node_step, report_s)
+        real = sources[:local_real] if per_node > 1 and reporter is not None else []
+        for source, kind in real:
+            # as shipped (`deployments.node_reporter.report_link`): a Ray call to the node's reporter
+            link = TimedLink(sink_r, reporter)
+            rng = random.Random(self.rng.random())
+            task = signal_reporter(link, source, lambda kind=kind, rng=rng: draw_signals(kind, rng, known), report_s)
             self.links.append(link)
             self.tasks.append(task)
             loop.call_later(self.rng.uniform(0, report_s), task.start)
+        simulated = sources[len(real):] if per_node > 1 else []
+        for k in range(0, len(simulated), per_node):
+            # one simulated node: the shipped `ReportBatcher` (the node reporter's own), fed by its
+            # replicas' shipped `signal_reporter`s in-process (`NodeHop`), sending `report_many`
+            link = TimedLink(sink_f)
+            batcher = ReportBatcher(link)
+            self.batchers.append(batcher)
+            self.links.append(link)
+            for src, kind in simulated[k:k + per_node]:
+                rng = random.Random(self.rng.random())
+                task = signal_reporter(NodeHop(batcher), src,  # type: ignore[arg-type]
+                                       lambda kind=kind, rng=rng: draw_signals(kind, rng, known), report_s)
+                self.tasks.append(task)
+                loop.call_later(self.rng.uniform(0, report_s), task.start)
         group = max(1, readers_per_node)
         for first in range(0, readers, group):
             # one poller per node of readers (alone: each ingress replica polls, as today); what
@@ -389,11 +396,29 @@ class SimClient:
                 stopped = False
         return {
             "reports": list(self.reports), "views": list(self.views), "seen": [list(s) for s in self.seen],
+            "forwards": list(self.forwards),
+            "batched": {key: sum(getattr(b, key) for b in self.batchers)
+                        for key in ("received", "calls", "forwarded", "failures", "dropped")},
             "lag": list(self.lag), "bad_views": self.bad_views, "stopped": stopped,
             "failures": sum(link.failures for link in self.links),
             "skipped": sum(link.skipped for link in self.links),
             "cpu_s": _cpu_s(psutil.Process()) - self.cpu0,
         }
+
+
+class NodeHop:
+    """A simulated replica's hand-on to its node's `ReportBatcher`, in-process: on a cluster it
+    is a local Ray call to the node's reporter, run on that node's CPU, measured here on the
+    real `NodeReporter` (``--local-real``) rather than simulated a thousand times on 2 cores."""
+
+    failures = skipped = 0
+
+    def __init__(self, batcher: Any) -> None:
+        self.batcher = batcher
+
+    async def call(self, method: str, source: str, signals: dict[str, float], stale: list[str] | None = None) -> bool:
+        self.batcher.put(source, signals, stale or ())
+        return True
 
 
 def _cpu_s(proc: Any) -> float:
@@ -512,20 +537,40 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # a pinned start level: the changes below are the only ones readers see
         ray.get(actor.set_override.remote(level=0, ttl_s=args.duration_s * 3 + 120, note="bench start"))
 
+        reporter = None
+        if args.per_node > 1:  # the shipped node reporter, on this node, sending to this actor
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            from deployments.node_reporter import NodeReporter, reporter_name
+
+            node_id = ray.get_runtime_context().get_node_id()
+            reporter = NodeReporter.options(  # type: ignore[attr-defined]
+                name=reporter_name(node_id), namespace=namespace,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+            ).remote(node_id, policy_actor=(name, namespace))
+            ray.get(reporter.state.remote(), timeout=60)
+
         client_cls = ray.remote(num_cpus=0, concurrency_groups={"control": 1})(SimClient)
         clients = [client_cls.remote(seed=i) for i in range(args.clients)]
         kinds = assign_kinds(args.replicas)
         sources = [(f"{kind}:sim-{i:04d}", kind) for i, kind in enumerate(kinds)]
         shares = [sources[i::args.clients] for i in range(args.clients)]
-        reporters = sum(-(-len(share) // args.per_node) for share in shares)
+        real = args.local_real if args.per_node > 1 else 0
+        # report calls a second, nominal: to the actor (each replica), or to the node reporter
+        # (the real ones) and, from each simulated node, at most one report_many per min_gap_s
+        reporters = (sum(len(share) for share in shares) if args.per_node == 1
+                     else real * args.clients)
+        nodes = 0 if args.per_node == 1 else sum(-(-(len(share) - real) // args.per_node) for share in shares)
         pollers = sum(-(-len(range(i, args.readers, args.clients)) // args.readers_per_node)
                       for i in range(args.clients))
         started = ray.get([
             c.start.remote(actor, shares[i], len(range(i, args.readers, args.clients)),
                            args.report_s, args.refresh_s, args.per_node, f"c{i}", args.readers_per_node,
-                           args.watch)
+                           args.watch, reporter, real)
             for i, c in enumerate(clients)], timeout=120)
-        how = "each" if args.per_node == 1 else f"folded per node of {args.per_node} into {reporters} reports"
+        how = ("each to the actor" if args.per_node == 1 else
+               f"{real * args.clients} through the real node reporter, the rest to {nodes} simulated nodes of "
+               f"{args.per_node} (the shipped ReportBatcher each)")
         log(f"{args.clients} clients running {sum(started)} tasks: {args.replicas} replicas reporting every "
             f"{args.report_s} s ({how}), {args.readers} readers polling every {args.refresh_s} s"
             f"{'' if args.readers_per_node == 1 else f' ({pollers} polls, one per node of {args.readers_per_node})'}"
@@ -556,6 +601,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         state = ray.get(actor.get_state.remote(), timeout=30)
         sampler.stop()
         outs = collect(clients)
+        reporter_state = None if reporter is None else ray.get(reporter.state.remote(), timeout=30)
         ray.get(actor.clear_override.remote(level=True))
     finally:
         noise.stop()
@@ -564,6 +610,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     window = w1 - w0
     reports = [ms for o in outs for t, ms in o["reports"] if w0 <= t <= w1]
+    forwards = [ms for o in outs for t, ms in o.get("forwards", []) if w0 <= t <= w1]
     views = [ms for o in outs for t, ms in o["views"] if w0 <= t <= w1]
     seen = [s for o in outs for s in o["seen"]]
     delays = change_delays(changes, seen, w1 + args.change_every_s)
@@ -605,10 +652,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "tick_ms": tick_summary,
         "tick_ms_core_replay": replay,
         "report_ms": summarize(reports),
+        "report_to": "policy actor" if args.per_node == 1 else "node reporter (a local Ray call)",
+        "forward_ms": summarize(forwards),
+        "node_reporter": reporter_state,
+        "batched": {key: sum(o.get("batched", {}).get(key, 0) for o in outs)
+                    for key in ("received", "calls", "forwarded", "failures", "dropped")},
         "refresh_ms": summarize(views),
         "override_call_ms": summarize(override_ms),
         "calls_per_s": {"report": round(len(reports) / window, 1),
                         "report_nominal": round(reporters / args.report_s, 1),
+                        "forward": round(len(forwards) / window, 1),
+                        "forward_most": round(nodes / BATCH_GAP_S, 1),
                         "view": round(len(views) / window, 1),
                         "view_nominal": round(pollers / args.refresh_s, 1)},
         "link_failures": sum(o["failures"] for o in outs),
@@ -632,7 +686,7 @@ def print_report(doc: Mapping[str, Any]) -> None:
     print()
     per_node = doc["settings"].get("per_node", 1)
     print(f"policy actor at {doc['settings']['replicas']} replicas"
-          f"{'' if per_node == 1 else f' (one report per node of {per_node})'}, {doc['settings']['readers']} readers"
+          f"{'' if per_node == 1 else f' (reports batched per node of {per_node})'}, {doc['settings']['readers']} readers"
           f"{'' if doc['settings'].get('readers_per_node', 1) == 1 else ' (one poll per node of ' + str(doc['settings']['readers_per_node']) + ')'}, "
           f"{doc['window_s']} s window (other processes: {doc['other_cpu_cores']} cores)")
     print(f"  actor CPU          {doc['actor_cpu_s_per_s']} s/s   (clients: {doc['clients_cpu_s_per_s']} s/s)")
@@ -642,7 +696,12 @@ def print_report(doc: Mapping[str, Any]) -> None:
     print(f"  tick (actor)       {t['count']} ticks, mean {t['mean_ms']} ms, p50 <= {t['p50_le_ms']} ms, "
           f"p99 <= {t['p99_le_ms']} ms, over 50 ms: {t['over_50ms']}")
     print(f"  tick (replay)      p50 {doc['tick_ms_core_replay']['p50']} ms, p99 {doc['tick_ms_core_replay']['p99']} ms")
-    print(f"  report (caller)    p50 {r['p50']} ms, p99 {r['p99']} ms, max {r['max']} ms ({r['n']} calls)")
+    print(f"  report (caller)    p50 {r['p50']} ms, p99 {r['p99']} ms, max {r['max']} ms ({r['n']} calls "
+          f"to the {doc.get('report_to', 'policy actor')})")
+    f = doc.get("forward_ms") or {}
+    if f.get("n"):
+        print(f"  forward (node)     report_many p50 {f['p50']} ms, p99 {f['p99']} ms, max {f['max']} ms "
+              f"({f['n']} calls, {calls['forward']}/s; batched {doc['batched']})")
     print(f"  refresh (caller)   p50 {v['p50']} ms, p99 {v['p99']} ms, max {v['max']} ms ({v['n']} calls)")
     e = lc["every_reader_s"]
     print(f"  level change       every reader: p50 {e['p50']} s, p99 {e['p99']} s, max {lc['max_s']} s over "
@@ -695,8 +754,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--readers", type=int, default=100)
     ap.add_argument("--clients", type=int, default=4, help="client actors the replicas and readers share (4)")
     ap.add_argument("--per-node", type=int, default=1,
-                    help="replicas per node whose reports one node reporter folds and sends as one (1: each "
-                         "replica reports itself, as the shipped code does)")
+                    help="replicas per node whose reports the node's reporter sends on in batches, as the "
+                         "shipped code does (1: each replica reports to the actor itself, as before)")
+    ap.add_argument("--local-real", type=int, default=2,
+                    help="with --per-node: replicas per client that report through a real Ray call to the "
+                         "real NodeReporter (timed as 'report'); the rest hand on in-process (2)")
     ap.add_argument("--readers-per-node", type=int, default=1,
                     help="ingress readers per node that share one poll of view (1: each polls, as the shipped "
                          "code does)")
@@ -713,6 +775,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for key in ("duration_s", "report_s", "refresh_s", "tick_s", "change_every_s"):
         if getattr(args, key) <= 0:
             ap.error(f"--{key.replace('_', '-')}: {getattr(args, key)} must be > 0")
+    if args.local_real < 0:
+        ap.error(f"--local-real: {args.local_real} must be >= 0")
     for key in ("replicas", "readers", "clients", "per_node", "readers_per_node"):
         if getattr(args, key) < 1:
             ap.error(f"--{key}: {getattr(args, key)} must be >= 1")

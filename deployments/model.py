@@ -95,7 +95,7 @@ class VLLMModel:
         engine: LLMEngine | None = None,
         gpu_probe: GpuProbe | None = None,
         report_interval_s: float = 0.25,
-        policy_link: ActorLink | None = None,
+        reports: ActorLink | None = None,
     ) -> None:
         # validated once by the builder (an `EngineSettings` is kept as it is); a dict here
         self.settings = (engine_settings if isinstance(engine_settings, EngineSettings)
@@ -107,11 +107,11 @@ class VLLMModel:
         self.dropped_late = 0  # requests past their deadline when they reached the model
         self.engine_failures = 0  # requests the engine failed (dead, or refused with a status)
         await self.engine.start()
-        if policy_link is None:
-            from policies.actor import get_or_create_policy_actor
+        if reports is None:  # through this node's reporter, batched with its neighbours'
+            from deployments.node_reporter import report_link
 
-            policy_link = ActorLink(get_or_create_policy_actor)
-        self.reporter = signal_reporter(policy_link, replica_source("VLLMModel"), self.signals, report_interval_s)
+            reports = report_link()
+        self.reporter = signal_reporter(reports, replica_source("VLLMModel"), self.signals, report_interval_s)
         self.reporter.start()
         logger.info("VLLMModel ready: %s (%s)", served_model_name, self.settings.model)
 

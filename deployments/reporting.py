@@ -11,7 +11,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 logger = logging.getLogger("ray.serve")
@@ -166,6 +166,7 @@ class PeriodicTask:
 
 
 HEARTBEAT_S = 1.0  # an unchanged report is sent again after this long (well under stale_after_s)
+BATCH_GAP_S = 0.1  # a node's reporter sends at most one batch per this long (`ReportBatcher`)
 
 
 def signal_reporter(
@@ -201,6 +202,86 @@ def signal_reporter(
 
     task = PeriodicTask(f"report:{source}", step, interval_s)
     return task
+
+
+class ReportBatcher:
+    """A node's replicas' reports, sent on to the policy actor as batches (``report_many``).
+
+    The policy actor answers each call on Ray's call path (about 1 ms of its CPU, whatever the
+    call carries), so at a thousand replicas one report call per replica and interval is what
+    limits it (bench/POLICY_SCALE.md). One batcher per node (`deployments.node_reporter`) takes
+    its replicas' reports (``put``) and sends them on with one call:
+
+    - at once when no call is in flight and none started within the last ``min_gap_s`` (0.1 s),
+      so a report that may raise the level is not held back for a full report interval;
+    - otherwise when the call in flight has returned and ``min_gap_s`` has passed since it
+      started, with everything put meanwhile: a node sends at most one call per ``min_gap_s``
+      and never has more than one outstanding, however many replicas it runs (a busy node's
+      batch grows instead), and a report waits at most ``min_gap_s`` plus one call's latency;
+    - only each source's latest report (a newer one replaces the one still waiting).
+
+    Sources stay per replica (the actor keeps and ages each one; a replica that went silent goes
+    stale there), and a replica's own heartbeat (`signal_reporter`) keeps it fresh. A failed call
+    (actor restarting, the link backing off) keeps the batch and tries again after ``retry_s``,
+    with newer reports taking precedence; a report older than ``max_age_s`` is dropped rather than
+    sent late, as the actor would stamp it fresh on receipt (a live replica has put a newer one by
+    then). Counters: ``received``, ``calls``, ``forwarded``, ``failures``, ``dropped``.
+    """
+
+    def __init__(self, link: ActorLink, min_gap_s: float = BATCH_GAP_S, retry_s: float = 0.25,
+                 max_age_s: float = 2 * HEARTBEAT_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self.link = link
+        self.min_gap_s, self.retry_s, self.max_age_s = min_gap_s, retry_s, max_age_s
+        self._clock = clock
+        self._last_call = -math.inf  # when the last call started
+        self._waiting: dict[str, tuple[float, dict[str, float], list[str]]] = {}  # source -> (put at, ...)
+        self._sender: asyncio.Task[None] | None = None
+        self.received = self.calls = self.forwarded = self.failures = self.dropped = 0
+
+    def put(self, source: str, signals: Mapping[str, float], stale: Sequence[str] = ()) -> None:
+        """Take one replica's report; it goes on with the next call (now, if none is in flight)."""
+        self.received += 1
+        self._waiting[source] = (self._clock(), dict(signals), list(stale))
+        if self._sender is None or self._sender.done():
+            self._sender = asyncio.get_running_loop().create_task(self._send(), name="report-batcher")
+
+    def state(self) -> dict[str, Any]:
+        return {"received": self.received, "calls": self.calls, "forwarded": self.forwarded,
+                "failures": self.failures, "dropped": self.dropped, "waiting": len(self._waiting),
+                "link": self.link.state()}
+
+    async def _send(self) -> None:
+        while self._waiting:
+            pause = self._last_call + self.min_gap_s - self._clock()
+            if pause > 0:
+                await asyncio.sleep(pause)
+            now = self._clock()
+            taken = {src: entry for src, entry in self._waiting.items() if now - entry[0] <= self.max_age_s}
+            self.dropped += len(self._waiting) - len(taken)
+            self._waiting = {}
+            if not taken:
+                return
+            batch = [(src, signals, stale) for src, (_, signals, stale) in taken.items()]
+            self._last_call = now
+            try:
+                await self.link.call("report_many", batch)
+            except Exception:  # noqa: BLE001 - counted; ActorLink logs the cause
+                self.failures += 1
+                for src, entry in taken.items():  # a report put meanwhile is newer: it wins
+                    self._waiting.setdefault(src, entry)
+                await asyncio.sleep(self.retry_s)
+                continue
+            self.calls += 1
+            self.forwarded += len(batch)
+
+    async def stop(self) -> None:
+        if self._sender is not None:
+            self._sender.cancel()
+            try:
+                await self._sender
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                pass
+            self._sender = None
 
 
 def replica_source(default: str) -> str:

@@ -441,6 +441,7 @@ class Ingress:
         spool_dir: str | None = None,
         auth: AuthSettings | dict[str, Any] | None = None,
         policy_link: ActorLink | None = None,
+        reports: ActorLink | None = None,
         model_slots: int = 16,
     ) -> None:
         self.model = model
@@ -501,6 +502,11 @@ class Ingress:
 
             policy_link = ActorLink(get_or_create_policy_actor)
         self.policy = policy_link
+        if reports is None:  # through this node's reporter, batched with its neighbours'
+            from deployments.node_reporter import report_link
+
+            reports = report_link()
+        self.reports = reports
         self.inflight = 0
         self.latency_ms = SlidingWindow(time.monotonic, 30.0, 4096)
         self.last_policy_error: str | None = None
@@ -516,7 +522,7 @@ class Ingress:
         _level_source.append(lambda: int(self.view.level))  # the error backstop's level header
         self.tasks = [
             PeriodicTask("follow-level", self._refresh, 0.0, failure_sleep_s=self.settings.refresh_s),
-            signal_reporter(self.policy, source, self._signals, self.settings.report_s),
+            signal_reporter(self.reports, source, self._signals, self.settings.report_s),
             PeriodicTask("drain-deferred", self._drain, self.settings.drain_s),
             PeriodicTask("probe-model", self._probe_model, self.settings.model_probe_s),
         ]
@@ -997,6 +1003,7 @@ class Ingress:
             "config_version": self.view.config_version,
             "pipeline": self.pipeline.counters(), "policy_link_failures": self.policy.failures,
             "policy_link": self.policy.state() if hasattr(self.policy, "state") else None,
+            "report_link": self.reports.state() if hasattr(self.reports, "state") else None,
             "last_policy_error": self.last_policy_error, "inflight": self.inflight, "pid": os.getpid(),
             "admission": self.gate.state(),
             "largest_refused_body_read": self.largest_refused_read,

@@ -26,7 +26,7 @@ class EnrichmentHost:
         self,
         kinds: Mapping[str, Mapping[str, Any]],
         report_interval_s: float = 0.5,
-        policy_link: ActorLink | None = None,
+        reports: ActorLink | None = None,
     ) -> None:
         self.enrichments: dict[str, Enrichment] = {kind: build(kind, dict(s)) for kind, s in kinds.items()}
         self.by_feature: dict[str, Enrichment] = {
@@ -36,12 +36,12 @@ class EnrichmentHost:
             await enrichment.warmup()
         self.latency_ms = SlidingWindow(time.monotonic, 30.0, 2048)
         self.errors = 0
-        if policy_link is None:
-            from policies.actor import get_or_create_policy_actor
+        if reports is None:  # through this node's reporter, batched with its neighbours'
+            from deployments.node_reporter import report_link
 
-            policy_link = ActorLink(get_or_create_policy_actor)
+            reports = report_link()
         self.reporter = signal_reporter(
-            policy_link, replica_source("EnrichmentHost"), self._signals, report_interval_s
+            reports, replica_source("EnrichmentHost"), self._signals, report_interval_s
         )
         self.reporter.start()
 

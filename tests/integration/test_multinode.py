@@ -320,6 +320,12 @@ def source_replica(source: str, replicas: list[dict[str, Any]]) -> dict[str, Any
     return next((r for r in replicas if uid in (r["replica_id"], r["actor_name"].rsplit("#", 1)[-1])), None)
 
 
+def node_reporters(cluster: MultiNode) -> list[dict[str, Any]]:
+    """The per-node report batchers (`deployments.node_reporter.NodeReporter`), any state."""
+    return cluster.state_rows("actors", filter_keys="class_name", filter_predicates="=",
+                              filter_values="NodeReporter")
+
+
 def gone(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
@@ -370,6 +376,10 @@ def test_the_policy_actor_hears_from_both_nodes(multinode: MultiNode) -> None:
     state = wait_for("reports from both nodes' ingress replicas, all fresh", both_fresh, 15, multinode, every_s=0.5)
     assert len([s for s in state["sources"] if s.startswith("Ingress:")]) == 2, state["sources"]
     assert any(s.startswith("VLLMModel:") for s in state["sources"]), state["sources"]
+    # they came through one reporter per node (deployments/node_reporter.py), each on its node
+    reporters = node_reporters(multinode)
+    assert {label_of.get(r["node_id"]) for r in reporters if r["state"] == "ALIVE"} == {"head", "b"}, reporters
+    assert all(r["name"] == f"brownout-reporter-{r['node_id']}" for r in reporters), reporters
 
 
 def test_every_ingress_replica_follows_the_level(multinode: MultiNode) -> None:
@@ -465,6 +475,9 @@ def test_the_level_holds_when_the_second_node_dies(multinode: MultiNode) -> None
     assert node_b.proc.wait(timeout=30) != 0
     wait_for("the second node marked dead", lambda: set(multinode.alive_nodes()) == {"head"}, 30, multinode)
     wait_for("the dead node's ingress replica process gone", lambda: gone(dead_replica["pid"]), 30, multinode)
+    # its node's reporter died with it and is not waiting to be restarted on a node that is gone
+    (b_reporter,) = [r for r in node_reporters(multinode) if r["node_id"] == nodes["b"]["node_id"]]
+    assert b_reporter["state"] == "DEAD", b_reporter
     with multinode.client(multinode.head_http) as http:
         final = admin_state(http)
     assert final["level"] <= before and final["pin"] is None

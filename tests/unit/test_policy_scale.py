@@ -184,6 +184,7 @@ class FakeActor:
         self.core = PolicyCore(default_policy())
         self.calls: list[tuple[str, tuple]] = []
         self.report = FakeMethod("report", self.calls, lambda: self._last_report())
+        self.report_many = FakeMethod("report_many", self.calls, lambda: self.core.report_many(self.calls[-1][1][0]))
         self.view = FakeMethod("view", self.calls, lambda: self.core.view())
 
     def _last_report(self) -> bool:
@@ -191,32 +192,39 @@ class FakeActor:
         return self.core.report(*args)
 
 
-@pytest.mark.parametrize("per_node, reporters, readers_per_node, pollers", [(1, 10, 1, 2), (4, 3, 2, 1)])
-def test_sim_client_sends_the_replicas_calls(per_node: int, reporters: int, readers_per_node: int,
-                                             pollers: int) -> None:
-    """The client actor's code without Ray: 10 replicas (alone, or folded per node of 4) and 2
-    readers for about 0.3 s; every report is one the actor takes, readers see the level."""
+@pytest.mark.parametrize("per_node, real, readers_per_node, pollers", [(1, 0, 1, 2), (4, 2, 2, 1)])
+def test_sim_client_sends_the_replicas_calls(per_node: int, real: int, readers_per_node: int, pollers: int) -> None:
+    """The client actor's code without Ray: 10 replicas and 2 readers for about 0.3 s. Alone, each
+    replica reports to the actor; per node of 4, ``real`` of them report to the node reporter (here
+    the fake actor itself, which keeps what it gets) and the rest hand on to simulated nodes'
+    `ReportBatcher`s, which send ``report_many``. Every report is one the actor takes, every
+    replica stays its own source, readers see the level."""
     actor = FakeActor()
     sources = [(f"{kind}:sim-{i}", kind) for i, kind in enumerate(assign_kinds(10))]
 
     async def go() -> dict:
         client = SimClient(seed=1)
         started = await client.start(actor, sources, readers=2, report_s=0.05, refresh_s=0.05,
-                                     per_node=per_node, readers_per_node=readers_per_node)
-        assert started == reporters + pollers
+                                     per_node=per_node, readers_per_node=readers_per_node,
+                                     reporter=actor if real else None, local_real=real)
+        assert started == 10 + pollers
         await asyncio.sleep(0.3)
         return await client.stop()
 
     out = asyncio.run(go())
     reports = [args for name, args in actor.calls if name == "report"]
+    batches = [args[0] for name, args in actor.calls if name == "report_many"]
     assert out["stopped"] and out["failures"] == 0 and out["bad_views"] == 0
-    assert len({args[0] for args in reports}) == reporters
+    assert len({args[0] for args in reports}) == (10 if per_node == 1 else real)
     views = sum(name == "view" for name, _ in actor.calls)  # one poll per node: about 6 each in 0.3 s
     assert pollers <= views <= pollers * 8
-    assert actor.core.report_errors == 0 and len(out["reports"]) == len(reports) >= reporters
+    assert actor.core.report_errors == 0 and len(out["reports"]) == len(reports) >= (10 if per_node == 1 else real)
     assert len(out["seen"]) == 2 and all(seen and seen[0][1] == 0 for seen in out["seen"])
     assert out["views"] and out["lag"]
     snap = actor.core.aggregator.aggregate(actor.core.clock())
-    assert snap.sources == reporters
-    if per_node > 1:  # the nodes' folds add up to what 10 replicas report: every kind's signals
-        assert {"queue_length", "enrichment_p95_latency_ms", "inflight"} <= snap.values.keys()
+    assert snap.sources == 10  # per replica, whichever way its report came
+    if per_node > 1:  # two simulated nodes (4 + 4 replicas), each sending batches of its own
+        batched = {src for batch in batches for src, _, _ in batch}
+        assert len(batched) == 10 - real and len(out["forwards"]) == len(batches) >= 2
+        assert out["batched"]["forwarded"] == sum(len(b) for b in batches)
+        assert out["batched"]["calls"] < out["batched"]["received"]  # batched, not one call per report

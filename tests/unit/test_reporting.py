@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
 
-from deployments.reporting import ActorLink, LinkBackoff, PeriodicTask, signal_reporter
+from deployments.reporting import ActorLink, LinkBackoff, PeriodicTask, ReportBatcher, signal_reporter
 
 
 class _Ref:
@@ -40,7 +41,7 @@ class FakeActor:
                 await asyncio.sleep(self.delay_s)
             if self.error is not None:
                 raise self.error
-            if name == "report":
+            if name in ("report", "report_many"):
                 self.reports.append(args)
             return {"ok": True, "method": name}
 
@@ -269,3 +270,129 @@ def test_a_failing_step_with_no_interval_does_not_spin() -> None:
 
     asyncio.run(run())
     assert 3 <= len(calls) <= 6  # one try per 50 ms, not thousands
+
+
+# -- ReportBatcher: a node's reports sent on as batches ---------------------------------------
+
+
+class GatedActor(FakeActor):
+    """A fake actor whose ``report_many`` waits until the test opens its gate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+
+    def __getattr__(self, name: str) -> _Method:
+        async def call(batch: list[Any]) -> int:
+            await self.gate.wait()
+            if self.error is not None:
+                raise self.error
+            self.reports.append(batch)
+            return len(batch)
+
+        return _Method(call)
+
+
+async def _settle(batcher: ReportBatcher) -> None:
+    for _ in range(50):
+        await asyncio.sleep(0)
+    while batcher._sender is not None and not batcher._sender.done():
+        await asyncio.sleep(0.001)
+
+
+def test_a_report_goes_on_at_once_when_no_call_is_in_flight() -> None:
+    actor = FakeActor()
+    batcher = ReportBatcher(ActorLink(lambda: actor), min_gap_s=0.0)
+
+    async def run() -> None:
+        batcher.put("Ingress:a", {"inflight": 2.0}, ["gpu_util"])
+        await _settle(batcher)
+
+    asyncio.run(run())
+    assert actor.reports == [([("Ingress:a", {"inflight": 2.0}, ["gpu_util"])],)]
+    assert (batcher.received, batcher.calls, batcher.forwarded) == (1, 1, 1)
+
+
+def test_reports_put_during_a_call_go_as_one_batch_with_each_sources_latest() -> None:
+    actor = GatedActor()
+    batcher = ReportBatcher(ActorLink(lambda: actor), min_gap_s=0.0)
+
+    async def run() -> None:
+        batcher.put("m:1", {"queue_length": 1.0})  # sent at once; the call waits at the gate
+        await asyncio.sleep(0)
+        for value in (2.0, 3.0):
+            batcher.put("m:1", {"queue_length": value})
+        batcher.put("m:2", {"queue_length": 7.0})
+        actor.gate.set()
+        await _settle(batcher)
+
+    asyncio.run(run())
+    assert actor.reports == [[("m:1", {"queue_length": 1.0}, [])],
+                             [("m:1", {"queue_length": 3.0}, []), ("m:2", {"queue_length": 7.0}, [])]]
+    assert (batcher.received, batcher.calls, batcher.forwarded) == (4, 2, 3)
+
+
+def test_a_failed_call_is_tried_again_and_a_newer_report_wins() -> None:
+    actor = GatedActor()
+    actor.error = RuntimeError("actor restarting")
+    batcher = ReportBatcher(ActorLink(lambda: actor), min_gap_s=0.0, retry_s=0.01)
+
+    async def run() -> None:
+        batcher.put("m:1", {"queue_length": 1.0})
+        batcher.put("m:2", {"queue_length": 5.0})
+        await asyncio.sleep(0)
+        actor.gate.set()  # the first call fails
+        while batcher.failures < 1:
+            await asyncio.sleep(0.001)
+        batcher.put("m:1", {"queue_length": 9.0})  # newer than the one that failed
+        actor.error = None
+        await _settle(batcher)
+
+    asyncio.run(run())
+    assert actor.reports == [[("m:1", {"queue_length": 9.0}, []), ("m:2", {"queue_length": 5.0}, [])]]
+    assert batcher.failures >= 1 and batcher.calls == 1 and batcher.forwarded == 2
+
+
+def test_a_report_older_than_max_age_is_dropped_not_sent_late() -> None:
+    actor = GatedActor()
+    actor.error = RuntimeError("actor down")
+    clock = [0.0]
+    batcher = ReportBatcher(ActorLink(lambda: actor, min_backoff_s=0.0, max_backoff_s=0.0), min_gap_s=0.0,
+                            retry_s=0.001, max_age_s=2.0, clock=lambda: clock[0])
+
+    async def run() -> None:
+        batcher.put("m:dead", {"queue_length": 4.0})
+        actor.gate.set()
+        while batcher.failures < 1:
+            await asyncio.sleep(0.001)
+        clock[0] = 1.5
+        batcher.put("m:live", {"queue_length": 1.0})
+        clock[0] = 2.5  # m:dead's report is 2.5 s old, m:live's 1 s
+        actor.error = None
+        await _settle(batcher)
+
+    asyncio.run(run())
+    assert actor.reports == [[("m:live", {"queue_length": 1.0}, [])]]
+    assert batcher.dropped == 1 and batcher.state()["waiting"] == 0
+
+
+def test_a_node_sends_at_most_one_call_per_min_gap() -> None:
+    actor = FakeActor()
+    batcher = ReportBatcher(ActorLink(lambda: actor), min_gap_s=0.05)
+
+    async def run() -> list[float]:
+        t0 = time.monotonic()
+        batcher.put("m:1", {"queue_length": 1.0})  # no call before: at once
+        await _settle(batcher)
+        first = time.monotonic() - t0
+        for value in (2.0, 3.0, 4.0):  # within the gap: held, then sent together
+            batcher.put("m:1", {"queue_length": value})
+            batcher.put("m:2", {"queue_length": value})
+            await asyncio.sleep(0.005)
+        await _settle(batcher)
+        return [first, time.monotonic() - t0]
+
+    first, second = asyncio.run(run())
+    assert actor.reports == [([("m:1", {"queue_length": 1.0}, [])],),
+                             ([("m:1", {"queue_length": 4.0}, []), ("m:2", {"queue_length": 4.0}, [])],)]
+    assert first < 0.05 <= second and batcher.calls == 2
