@@ -30,8 +30,8 @@ drawn afresh per report, at a light load (no trigger of the default policy holds
 
 ``--per-node N`` measures the shipped per-node path (issue 14, deliverable 4:
 `deployments.node_reporter`): each replica reports to its node's reporter, whose
-`deployments.reporting.ReportBatcher` sends the node's reports on with ``report_many`` (at most
-one call per ``BATCH_GAP_S``, never two in flight); sources stay per replica. The replicas are
+`deployments.reporting.ReportBatcher` sends the node's reports on with ``report_batch`` (routine
+reports at most once per ``BATCH_GAP_S``, one that may raise the level at once); sources stay per replica. The replicas are
 grouped N to a simulated node, each node with its own shipped `ReportBatcher` (timed as
 "forward"), fed in-process by its replicas' shipped `signal_reporter`s (`NodeHop`): on a cluster
 that hand-on is a local Ray call on each node's own CPU, which a thousand of on 2 cores would
@@ -267,7 +267,7 @@ class SimClient:
         self.tasks: list[Any] = []
         self.links: list[Any] = []
         self.reports: list[tuple[float, float]] = []  # (wall time done, ms)
-        self.forwards: list[tuple[float, float]] = []  # a simulated node's report_many
+        self.forwards: list[tuple[float, float]] = []  # a simulated node's report_batch
         self.batchers: list[Any] = []
         self.views: list[tuple[float, float]] = []
         self.seen: list[list[tuple[float, int]]] = []
@@ -279,7 +279,8 @@ class SimClient:
 
     async def start(self, handle: Any, sources: Sequence[tuple[str, str]], readers: int, report_s: float,
                     refresh_s: float, per_node: int = 1, name: str = "c0", readers_per_node: int = 1,
-                    watch: bool = False, reporter: Any = None, local_real: int = 0) -> int:
+                    watch: bool = False, reporter: Any = None, local_real: int = 0,
+                    batch_gap_s: float = BATCH_GAP_S) -> int:
         import psutil
 
         from deployments.reporting import ActorLink, PeriodicTask, ReportBatcher, signal_reporter
@@ -327,9 +328,9 @@ class SimClient:
         simulated = sources[len(real):] if per_node > 1 else []
         for k in range(0, len(simulated), per_node):
             # one simulated node: the shipped `ReportBatcher` (the node reporter's own), fed by its
-            # replicas' shipped `signal_reporter`s in-process (`NodeHop`), sending `report_many`
+            # replicas' shipped `signal_reporter`s in-process (`NodeHop`), sending `report_batch`
             link = TimedLink(sink_f)
-            batcher = ReportBatcher(link)
+            batcher = ReportBatcher(link, min_gap_s=batch_gap_s)
             self.batchers.append(batcher)
             self.links.append(link)
             for src, kind in simulated[k:k + per_node]:
@@ -557,7 +558,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         shares = [sources[i::args.clients] for i in range(args.clients)]
         real = args.local_real if args.per_node > 1 else 0
         # report calls a second, nominal: to the actor (each replica), or to the node reporter
-        # (the real ones) and, from each simulated node, at most one report_many per min_gap_s
+        # (the real ones) and, from each simulated node, at most one report_batch per BATCH_GAP_S
         reporters = (sum(len(share) for share in shares) if args.per_node == 1
                      else real * args.clients)
         nodes = 0 if args.per_node == 1 else sum(-(-(len(share) - real) // args.per_node) for share in shares)
@@ -700,7 +701,7 @@ def print_report(doc: Mapping[str, Any]) -> None:
           f"to the {doc.get('report_to', 'policy actor')})")
     f = doc.get("forward_ms") or {}
     if f.get("n"):
-        print(f"  forward (node)     report_many p50 {f['p50']} ms, p99 {f['p99']} ms, max {f['max']} ms "
+        print(f"  forward (node)     report_batch p50 {f['p50']} ms, p99 {f['p99']} ms, max {f['max']} ms "
               f"({f['n']} calls, {calls['forward']}/s; batched {doc['batched']})")
     print(f"  refresh (caller)   p50 {v['p50']} ms, p99 {v['p99']} ms, max {v['max']} ms ({v['n']} calls)")
     e = lc["every_reader_s"]

@@ -3,10 +3,10 @@ the policy actor in batches (issue 14: reports batched per node).
 
 Every replica (model, enrichment host, ingress) sends its signals with `signal_reporter` to the
 `NodeReporter` of the node it runs on (`report_link`), a local call; the reporter's
-`deployments.reporting.ReportBatcher` sends them on with ``report_many``, one call per node at a
-time (at once when none is in flight, else with the call in flight's return). At a thousand
-replicas on a hundred nodes the policy actor then answers one call per node instead of one per
-replica (`bench/policy_scale.py`, bench/POLICY_SCALE.md).
+`deployments.reporting.ReportBatcher` sends them on with ``report_batch``: routine reports at most
+once per 0.5 s per node, a report that may raise the level at once. At a thousand replicas on a
+hundred nodes the policy actor then answers at most two calls a second per node instead of four
+per replica (`bench/policy_scale.py`, bench/POLICY_SCALE.md).
 
 The reporter is a detached actor named ``brownout-reporter-<node id>`` in namespace
 ``brownout``, pinned to its node (``NodeAffinitySchedulingStrategy``, not soft), using no CPU.

@@ -166,7 +166,7 @@ class PeriodicTask:
 
 
 HEARTBEAT_S = 1.0  # an unchanged report is sent again after this long (well under stale_after_s)
-BATCH_GAP_S = 0.1  # a node's reporter sends at most one batch per this long (`ReportBatcher`)
+BATCH_GAP_S = 0.5  # a node's reporter sends routine reports at most once per this long (`ReportBatcher`)
 
 
 def signal_reporter(
@@ -205,27 +205,32 @@ def signal_reporter(
 
 
 class ReportBatcher:
-    """A node's replicas' reports, sent on to the policy actor as batches (``report_many``).
+    """A node's replicas' reports, sent on to the policy actor as batches (``report_batch``).
 
     The policy actor answers each call on Ray's call path (about 1 ms of its CPU, whatever the
     call carries), so at a thousand replicas one report call per replica and interval is what
     limits it (bench/POLICY_SCALE.md). One batcher per node (`deployments.node_reporter`) takes
-    its replicas' reports (``put``) and sends them on with one call:
+    its replicas' reports (``put``) and sends them on, each source's latest only (a newer report
+    replaces the one still waiting), in one call:
 
-    - at once when no call is in flight and none started within the last ``min_gap_s`` (0.1 s),
-      so a report that may raise the level is not held back for a full report interval;
-    - otherwise when the call in flight has returned and ``min_gap_s`` has passed since it
-      started, with everything put meanwhile: a node sends at most one call per ``min_gap_s``
-      and never has more than one outstanding, however many replicas it runs (a busy node's
-      batch grows instead), and a report waits at most ``min_gap_s`` plus one call's latency;
-    - only each source's latest report (a newer one replaces the one still waiting).
+    - at most one call per ``min_gap_s`` (`BATCH_GAP_S`, 0.5 s) and never two in flight, so the
+      actor answers at most two calls a second per node, however many replicas the node runs (a
+      busy node's batch grows instead); a routine report waits at most ``min_gap_s`` plus one
+      call's latency, well inside the heartbeat and ``stale_after_s`` (5 s);
+    - except a report that may raise the level: every answer carries the actor's
+      ``escalate_at`` (`policies.service.PolicyCore.escalation_floor`: per signal, the lowest
+      trigger above the policy level), and a report with a value at or above it goes at once
+      (as soon as no call is in flight), the gap notwithstanding. The actor decides on such a
+      report at once too (`PolicyActor._reported`), so the control path is a local hop longer
+      than a direct report, not a batch interval. Before the first answer every report counts
+      as one that may.
 
     Sources stay per replica (the actor keeps and ages each one; a replica that went silent goes
     stale there), and a replica's own heartbeat (`signal_reporter`) keeps it fresh. A failed call
     (actor restarting, the link backing off) keeps the batch and tries again after ``retry_s``,
     with newer reports taking precedence; a report older than ``max_age_s`` is dropped rather than
     sent late, as the actor would stamp it fresh on receipt (a live replica has put a newer one by
-    then). Counters: ``received``, ``calls``, ``forwarded``, ``failures``, ``dropped``.
+    then). Counters: ``received``, ``urgent``, ``calls``, ``forwarded``, ``failures``, ``dropped``.
     """
 
     def __init__(self, link: ActorLink, min_gap_s: float = BATCH_GAP_S, retry_s: float = 0.25,
@@ -235,26 +240,39 @@ class ReportBatcher:
         self._clock = clock
         self._last_call = -math.inf  # when the last call started
         self._waiting: dict[str, tuple[float, dict[str, float], list[str]]] = {}  # source -> (put at, ...)
+        self._escalate_at: Mapping[str, float] | None = None  # None: not known yet
+        self._urgent = asyncio.Event()  # a report waiting that may raise the level
         self._sender: asyncio.Task[None] | None = None
-        self.received = self.calls = self.forwarded = self.failures = self.dropped = 0
+        self.received = self.urgent = self.calls = self.forwarded = self.failures = self.dropped = 0
+
+    def may_escalate(self, signals: Mapping[str, float]) -> bool:
+        floor = self._escalate_at
+        return floor is None or any(name in floor and v >= floor[name] for name, v in signals.items())
 
     def put(self, source: str, signals: Mapping[str, float], stale: Sequence[str] = ()) -> None:
-        """Take one replica's report; it goes on with the next call (now, if none is in flight)."""
+        """Take one replica's report; it goes on with the next call (see the class docstring)."""
         self.received += 1
         self._waiting[source] = (self._clock(), dict(signals), list(stale))
+        if self.may_escalate(signals):
+            self.urgent += 1
+            self._urgent.set()
         if self._sender is None or self._sender.done():
             self._sender = asyncio.get_running_loop().create_task(self._send(), name="report-batcher")
 
     def state(self) -> dict[str, Any]:
-        return {"received": self.received, "calls": self.calls, "forwarded": self.forwarded,
-                "failures": self.failures, "dropped": self.dropped, "waiting": len(self._waiting),
-                "link": self.link.state()}
+        return {"received": self.received, "urgent": self.urgent, "calls": self.calls,
+                "forwarded": self.forwarded, "failures": self.failures, "dropped": self.dropped,
+                "waiting": len(self._waiting), "link": self.link.state()}
 
     async def _send(self) -> None:
         while self._waiting:
             pause = self._last_call + self.min_gap_s - self._clock()
-            if pause > 0:
-                await asyncio.sleep(pause)
+            if pause > 0 and not self._urgent.is_set():
+                try:
+                    await asyncio.wait_for(self._urgent.wait(), pause)
+                except asyncio.TimeoutError:
+                    pass
+            self._urgent.clear()
             now = self._clock()
             taken = {src: entry for src, entry in self._waiting.items() if now - entry[0] <= self.max_age_s}
             self.dropped += len(self._waiting) - len(taken)
@@ -264,7 +282,7 @@ class ReportBatcher:
             batch = [(src, signals, stale) for src, (_, signals, stale) in taken.items()]
             self._last_call = now
             try:
-                await self.link.call("report_many", batch)
+                answer = await self.link.call("report_batch", batch)
             except Exception:  # noqa: BLE001 - counted; ActorLink logs the cause
                 self.failures += 1
                 for src, entry in taken.items():  # a report put meanwhile is newer: it wins
@@ -273,6 +291,8 @@ class ReportBatcher:
                 continue
             self.calls += 1
             self.forwarded += len(batch)
+            if isinstance(answer, Mapping) and isinstance(answer.get("escalate_at"), Mapping):
+                self._escalate_at = answer["escalate_at"]
 
     async def stop(self) -> None:
         if self._sender is not None:

@@ -4,8 +4,8 @@ Name ``brownout-policy`` in namespace ``brownout`` (`ACTOR_NAME`, `ACTOR_NAMESPA
 restarted by Ray without limit. Replicas obtain it with `get_or_create_policy_actor`; Serve
 replicas run in namespace "serve", so the namespace is always passed explicitly.
 
-Every replica reports its signals with ``report(source, signals)`` (or a node's batch with
-``report_many``) on a timer; the actor keeps the latest report per source
+Every replica reports its signals with ``report(source, signals)`` on a timer, to its node's
+reporter (`deployments.node_reporter`), which sends the node's reports on with ``report_batch``; the actor keeps the latest report per source
 (`policies.signals.Aggregator`), and every ``tick_s`` (250 ms) runs ``decide()``. Each level
 change is logged as one JSON line and kept in a bounded history.
 
@@ -25,7 +25,7 @@ every change and read back in ``__init__``, so an actor restarted by Ray comes b
 policy and the same pins. Signals and dwell timers are not restored: they rebuild from fresh
 reports within ``stale_after_s``, and until then the restored level holds (fail-static).
 
-Remote methods: ``report``, ``report_many``, ``view``, ``watch``, ``get_state``, ``set_override``, ``clear_override``,
+Remote methods: ``report``, ``report_batch``, ``view``, ``watch``, ``get_state``, ``set_override``, ``clear_override``,
 ``update_config``, ``get_config``, ``history``.
 
 Metrics (Ray's metrics export; Prometheus adds the ``ray_`` prefix; ``docs/OPERATIONS.md`` lists
@@ -261,14 +261,16 @@ class PolicyActor:
         self._ensure_loop()
         return self._reported(self.core.report(source, signals, stale or ()), signals, stale)
 
-    async def report_many(self, batch: list[tuple[str, dict[str, float], list[str]]]) -> int:
-        """Many replicas' reports in one call (`deployments.reporting.ReportBatcher`: one call per
-        node and interval instead of one per replica); returns how many were kept."""
+    async def report_batch(self, batch: list[tuple[str, dict[str, float], list[str]]]) -> dict[str, Any]:
+        """Many replicas' reports in one call (a node's `deployments.reporting.ReportBatcher`),
+        each kept under its own source. Returns ``kept`` (how many were) and ``escalate_at``
+        (`PolicyCore.escalation_floor`: values at which a report may raise the level, which
+        the batcher then sends at once)."""
         self._ensure_loop()
         kept = 0
         for source, signals, stale in batch:
             kept += self._reported(self.core.report(source, signals, stale or ()), signals, stale)
-        return kept
+        return {"kept": kept, "escalate_at": dict(self.core.escalation_floor())}
 
     async def view(self) -> PolicyView:
         self._ensure_loop()

@@ -297,10 +297,11 @@ class PolicyCore:
         self.view_seq += 1
         return True
 
-    def may_escalate(self, values: Mapping[str, float]) -> bool:
-        """Whether one report's values alone reach a trigger of a level above the policy level:
-        the actor then decides at once instead of at its next tick. A cheap, partial check (a
-        sum over replicas can cross with no one report crossing: the regular tick sees that)."""
+    def escalation_floor(self) -> Mapping[str, float]:
+        """Per signal, the lowest trigger of any level above the policy level: a report value at
+        or above it may raise the level (`may_escalate`). Computed once per policy level and
+        config version; node reporters get it back with every batch, to send such a report at
+        once instead of with the next batch."""
         key = (int(self.state.policy_level), self.config_version)
         if key != self._floor_key:
             floor: dict[str, float] = {}
@@ -308,7 +309,13 @@ class PolicyCore:
                 for name, value in self.config.trigger_thresholds(lv).items():
                     floor[name] = min(value, floor.get(name, math.inf))
             self._floor_key, self._floor = key, floor
-        floor = self._floor
+        return self._floor
+
+    def may_escalate(self, values: Mapping[str, float]) -> bool:
+        """Whether one report's values alone reach a trigger of a level above the policy level:
+        the actor then decides at once instead of at its next tick. A cheap, partial check (a
+        sum over replicas can cross with no one report crossing: the regular tick sees that)."""
+        floor = self.escalation_floor()
         return any(name in floor and v >= floor[name] for name, v in values.items())
 
     def report_many(self, batch: Sequence[tuple[str, Mapping[str, float], Sequence[str]]]) -> int:

@@ -184,7 +184,8 @@ class FakeActor:
         self.core = PolicyCore(default_policy())
         self.calls: list[tuple[str, tuple]] = []
         self.report = FakeMethod("report", self.calls, lambda: self._last_report())
-        self.report_many = FakeMethod("report_many", self.calls, lambda: self.core.report_many(self.calls[-1][1][0]))
+        self.report_batch = FakeMethod("report_batch", self.calls, lambda: {
+            "kept": self.core.report_many(self.calls[-1][1][0]), "escalate_at": dict(self.core.escalation_floor())})
         self.view = FakeMethod("view", self.calls, lambda: self.core.view())
 
     def _last_report(self) -> bool:
@@ -197,7 +198,7 @@ def test_sim_client_sends_the_replicas_calls(per_node: int, real: int, readers_p
     """The client actor's code without Ray: 10 replicas and 2 readers for about 0.3 s. Alone, each
     replica reports to the actor; per node of 4, ``real`` of them report to the node reporter (here
     the fake actor itself, which keeps what it gets) and the rest hand on to simulated nodes'
-    `ReportBatcher`s, which send ``report_many``. Every report is one the actor takes, every
+    `ReportBatcher`s, which send ``report_batch``. Every report is one the actor takes, every
     replica stays its own source, readers see the level."""
     actor = FakeActor()
     sources = [(f"{kind}:sim-{i}", kind) for i, kind in enumerate(assign_kinds(10))]
@@ -206,14 +207,14 @@ def test_sim_client_sends_the_replicas_calls(per_node: int, real: int, readers_p
         client = SimClient(seed=1)
         started = await client.start(actor, sources, readers=2, report_s=0.05, refresh_s=0.05,
                                      per_node=per_node, readers_per_node=readers_per_node,
-                                     reporter=actor if real else None, local_real=real)
+                                     reporter=actor if real else None, local_real=real, batch_gap_s=0.05)
         assert started == 10 + pollers
         await asyncio.sleep(0.3)
         return await client.stop()
 
     out = asyncio.run(go())
     reports = [args for name, args in actor.calls if name == "report"]
-    batches = [args[0] for name, args in actor.calls if name == "report_many"]
+    batches = [args[0] for name, args in actor.calls if name == "report_batch"]
     assert out["stopped"] and out["failures"] == 0 and out["bad_views"] == 0
     assert len({args[0] for args in reports}) == (10 if per_node == 1 else real)
     views = sum(name == "view" for name, _ in actor.calls)  # one poll per node: about 6 each in 0.3 s

@@ -41,7 +41,7 @@ class FakeActor:
                 await asyncio.sleep(self.delay_s)
             if self.error is not None:
                 raise self.error
-            if name in ("report", "report_many"):
+            if name in ("report", "report_batch"):
                 self.reports.append(args)
             return {"ok": True, "method": name}
 
@@ -276,19 +276,23 @@ def test_a_failing_step_with_no_interval_does_not_spin() -> None:
 
 
 class GatedActor(FakeActor):
-    """A fake actor whose ``report_many`` waits until the test opens its gate."""
+    """A fake actor whose ``report_batch`` waits until the test opens its gate; it answers with
+    ``escalate_at`` as the policy actor does."""
 
-    def __init__(self) -> None:
+    def __init__(self, escalate_at: dict[str, float] | None = None) -> None:
         super().__init__()
         self.gate = asyncio.Event()
+        self.escalate_at = escalate_at or {}
+        self.at: list[float] = []  # when each batch arrived
 
     def __getattr__(self, name: str) -> _Method:
-        async def call(batch: list[Any]) -> int:
+        async def call(batch: list[Any]) -> dict[str, Any]:
             await self.gate.wait()
             if self.error is not None:
                 raise self.error
             self.reports.append(batch)
-            return len(batch)
+            self.at.append(time.monotonic())
+            return {"kept": len(batch), "escalate_at": self.escalate_at}
 
         return _Method(call)
 
@@ -376,23 +380,28 @@ def test_a_report_older_than_max_age_is_dropped_not_sent_late() -> None:
     assert batcher.dropped == 1 and batcher.state()["waiting"] == 0
 
 
-def test_a_node_sends_at_most_one_call_per_min_gap() -> None:
-    actor = FakeActor()
-    batcher = ReportBatcher(ActorLink(lambda: actor), min_gap_s=0.05)
+def test_routine_reports_wait_for_the_gap_and_one_that_may_escalate_goes_at_once() -> None:
+    actor = GatedActor(escalate_at={"queue_length": 10.0})
+    actor.gate.set()
+    batcher = ReportBatcher(ActorLink(lambda: actor), min_gap_s=0.3)
 
-    async def run() -> list[float]:
+    async def run() -> float:
         t0 = time.monotonic()
-        batcher.put("m:1", {"queue_length": 1.0})  # no call before: at once
+        batcher.put("m:1", {"queue_length": 1.0})  # no floor known yet: at once
         await _settle(batcher)
-        first = time.monotonic() - t0
-        for value in (2.0, 3.0, 4.0):  # within the gap: held, then sent together
+        for value in (2.0, 3.0):  # below every trigger: held for the gap, then sent together
             batcher.put("m:1", {"queue_length": value})
             batcher.put("m:2", {"queue_length": value})
             await asyncio.sleep(0.005)
         await _settle(batcher)
-        return [first, time.monotonic() - t0]
+        batcher.put("m:2", {"queue_length": 12.0})  # reaches a trigger: the gap does not hold it
+        await _settle(batcher)
+        return t0
 
-    first, second = asyncio.run(run())
-    assert actor.reports == [([("m:1", {"queue_length": 1.0}, [])],),
-                             ([("m:1", {"queue_length": 4.0}, []), ("m:2", {"queue_length": 4.0}, [])],)]
-    assert first < 0.05 <= second and batcher.calls == 2
+    t0 = asyncio.run(run())
+    assert actor.reports == [[("m:1", {"queue_length": 1.0}, [])],
+                             [("m:1", {"queue_length": 3.0}, []), ("m:2", {"queue_length": 3.0}, [])],
+                             [("m:2", {"queue_length": 12.0}, [])]]
+    first, second, third = (t - t0 for t in actor.at)
+    assert first < 0.1 and second >= 0.3 and third - second < 0.1
+    assert batcher.calls == 3 and batcher.urgent == 2  # the first (no floor yet) and the 12
