@@ -36,8 +36,11 @@ grouped N to a simulated node, each node with its own shipped `ReportBatcher` (t
 "forward"), fed in-process by its replicas' shipped `signal_reporter`s (`NodeHop`): on a cluster
 that hand-on is a local Ray call on each node's own CPU, which a thousand of on 2 cores would
 only measure the 2 cores. It is measured instead on a real `NodeReporter` actor in this cluster:
-``--local-real`` (2) replicas per client report to it with real Ray calls, and those calls are
-the "report" figure of a per-node run (the reporter sends them on to the same actor).
+``--local-real`` (8) of the replicas run in a client process of their own (as replicas are
+processes of their own) and report to it with real Ray calls; those calls are the "report"
+figure of a per-node run (the reporter sends them on to the same actor). For scale, before the
+load starts the same call is timed on the idle cluster (``report_floor_ms``): what one Ray call
+costs on this machine with nothing else running.
 ``--readers-per-node M`` does the same for the readers: one poll of ``view`` per node of M
 ingress replicas, which all take its answer.
 
@@ -370,6 +373,16 @@ class SimClient:
             loop.call_later(self.rng.uniform(0, refresh_s), task.start)
         return len(self.tasks)
 
+    async def time_calls(self, handle: Any, method: str, n: int, every_s: float = 0.01) -> list[float]:
+        """``n`` calls of ``method`` (no arguments) on ``handle``, one at a time: ms each."""
+        out = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            await getattr(handle, method).remote()
+            out.append((time.perf_counter() - t0) * 1000.0)
+            await asyncio.sleep(every_s)
+        return out
+
     async def _heartbeat(self, every_s: float = 0.05) -> None:
         """How late this loop wakes from a sleep: the caller-side queueing in every latency here."""
         while True:
@@ -552,25 +565,35 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ray.get(reporter.state.remote(), timeout=60)
 
         client_cls = ray.remote(num_cpus=0, concurrency_groups={"control": 1})(SimClient)
-        clients = [client_cls.remote(seed=i) for i in range(args.clients)]
         kinds = assign_kinds(args.replicas)
         sources = [(f"{kind}:sim-{i:04d}", kind) for i, kind in enumerate(kinds)]
-        shares = [sources[i::args.clients] for i in range(args.clients)]
+        # with --per-node, --local-real replicas run in a process of their own (as a replica does)
+        # and report to the real node reporter with real Ray calls: the "report" figure
         real = args.local_real if args.per_node > 1 else 0
+        probe, sources = sources[:real], sources[real:]
+        clients = [client_cls.remote(seed=i) for i in range(args.clients + bool(probe))]
+        shares = [sources[i::args.clients] for i in range(args.clients)]
         # report calls a second, nominal: to the actor (each replica), or to the node reporter
         # (the real ones) and, from each simulated node, at most one report_batch per BATCH_GAP_S
-        reporters = (sum(len(share) for share in shares) if args.per_node == 1
-                     else real * args.clients)
-        nodes = 0 if args.per_node == 1 else sum(-(-(len(share) - real) // args.per_node) for share in shares)
+        reporters = len(sources) if args.per_node == 1 else real
+        nodes = 0 if args.per_node == 1 else sum(-(-len(share) // args.per_node) for share in shares)
         pollers = sum(-(-len(range(i, args.readers, args.clients)) // args.readers_per_node)
                       for i in range(args.clients))
+        floor = (ray.get(clients[-1].time_calls.remote(reporter, "state", 300), timeout=120)
+                 if probe else [])
+        if floor:
+            log(f"one Ray call to the idle node reporter: p50 {percentile(floor, 50):.2f} ms, "
+                f"p99 {percentile(floor, 99):.2f} ms")
         started = ray.get([
             c.start.remote(actor, shares[i], len(range(i, args.readers, args.clients)),
                            args.report_s, args.refresh_s, args.per_node, f"c{i}", args.readers_per_node,
-                           args.watch, reporter, real)
-            for i, c in enumerate(clients)], timeout=120)
+                           args.watch)
+            for i, c in enumerate(clients[:args.clients])] + ([
+            clients[-1].start.remote(actor, probe, 0, args.report_s, args.refresh_s, args.per_node, "probe",
+                                     watch=args.watch, reporter=reporter, local_real=real)] if probe else []),
+            timeout=120)
         how = ("each to the actor" if args.per_node == 1 else
-               f"{real * args.clients} through the real node reporter, the rest to {nodes} simulated nodes of "
+               f"{real} through the real node reporter, the rest to {nodes} simulated nodes of "
                f"{args.per_node} (the shipped ReportBatcher each)")
         log(f"{args.clients} clients running {sum(started)} tasks: {args.replicas} replicas reporting every "
             f"{args.report_s} s ({how}), {args.readers} readers polling every {args.refresh_s} s"
@@ -655,6 +678,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "report_ms": summarize(reports),
         "report_to": "policy actor" if args.per_node == 1 else "node reporter (a local Ray call)",
         "forward_ms": summarize(forwards),
+        "report_floor_ms": summarize(floor),
         "node_reporter": reporter_state,
         "batched": {key: sum(o.get("batched", {}).get(key, 0) for o in outs)
                     for key in ("received", "calls", "forwarded", "failures", "dropped")},
@@ -699,6 +723,9 @@ def print_report(doc: Mapping[str, Any]) -> None:
     print(f"  tick (replay)      p50 {doc['tick_ms_core_replay']['p50']} ms, p99 {doc['tick_ms_core_replay']['p99']} ms")
     print(f"  report (caller)    p50 {r['p50']} ms, p99 {r['p99']} ms, max {r['max']} ms ({r['n']} calls "
           f"to the {doc.get('report_to', 'policy actor')})")
+    fl = doc.get("report_floor_ms") or {}
+    if fl.get("n"):
+        print(f"  report (idle)      p50 {fl['p50']} ms, p99 {fl['p99']} ms: the same call on the idle cluster")
     f = doc.get("forward_ms") or {}
     if f.get("n"):
         print(f"  forward (node)     report_batch p50 {f['p50']} ms, p99 {f['p99']} ms, max {f['max']} ms "
@@ -757,9 +784,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--per-node", type=int, default=1,
                     help="replicas per node whose reports the node's reporter sends on in batches, as the "
                          "shipped code does (1: each replica reports to the actor itself, as before)")
-    ap.add_argument("--local-real", type=int, default=2,
-                    help="with --per-node: replicas per client that report through a real Ray call to the "
-                         "real NodeReporter (timed as 'report'); the rest hand on in-process (2)")
+    ap.add_argument("--local-real", type=int, default=8,
+                    help="with --per-node: replicas that report through real Ray calls to the real "
+                         "NodeReporter, from a client process of their own (timed as 'report'); the rest "
+                         "hand on to simulated nodes in-process (8)")
     ap.add_argument("--readers-per-node", type=int, default=1,
                     help="ingress readers per node that share one poll of view (1: each polls, as the shipped "
                          "code does)")
