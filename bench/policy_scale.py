@@ -693,7 +693,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "link_failures": sum(o["failures"] for o in outs),
         "link_skipped": sum(o["skipped"] for o in outs),
         "bad_views": sum(o["bad_views"] for o in outs),
-        "clients": {"answered": len(outs), "of": args.clients, "stopped": sum(o["stopped"] for o in outs)},
+        "clients": {"answered": len(outs), "of": len(clients), "stopped": sum(o["stopped"] for o in outs)},
         "client_loop_lag_ms": summarize([ms for o in outs for t, ms in o["lag"] if w0 <= t <= w1]),
         "level_change": level_change,
         "actor_seen": {"fresh_sources": signals.get("sources"), "reports": state.get("reports"),

@@ -77,10 +77,13 @@ latency model gives the same adaptive limit (the concurrency at which latency me
 budget), reasons in the SLO's own units, and serves classes with one comparison.
 
 Per replica: each ingress replica keeps its own controller and counts its own requests in
-flight and its own completions; with ``n`` ingress replicas in front of ``m`` model replicas
-pass ``slots = max_num_seqs * m / n`` (`AdmissionController.from_config`'s ``share``). A stalled
-engine (no completions at all) does not move the model, but the cap still bounds what is
-admitted meanwhile.
+flight and its own completions; with ``n`` ingress replicas in front of ``m`` model replicas its
+share of the batches is ``slots = max_num_seqs * m / n`` (`AdmissionController.set_replicas`,
+which the ingress calls with the counts the policy actor publishes), and its ``model_queued`` is
+what it has beyond that share divided by ``m``: summed over the ingress replicas, the requests
+waiting per model replica, which is what queue triggers sized against one engine expect. A
+stalled engine (no completions at all) does not move the model, but the cap still bounds what
+is admitted meanwhile.
 
 Wiring (the ingress)::
 
@@ -413,6 +416,8 @@ class AdmissionController:
 
     def __init__(self, slo: SloConfig, settings: AdmissionConfig, slots: int) -> None:
         self._configure(slo, settings, slots)
+        self.batch = self.slots  # one model replica's batch (max_num_seqs)
+        self.model_replicas = 1
         self.level = 0
         self._models: dict[int, ServiceModel] = {0: self._prior(slo, settings)}
         self._caps: tuple[int, ...] = ()
@@ -449,6 +454,19 @@ class AdmissionController:
         if settings.refusal_window_s != self._refusals.window_s:
             self._refusals = RefusalWindow(settings.refusal_window_s)
         self._recompute()
+
+    def set_replicas(self, model: int, ingress: int) -> bool:
+        """``model`` replicas serve behind ``ingress`` replicas (each with its own controller): this
+        replica's share of the batches becomes ``slots = max(1, round(batch * model / ingress))``
+        and ``model_queued`` is counted per model replica. A count below 1 (not known yet, or
+        every replica's report stale) leaves the share as it is. True if the share changed."""
+        if model < 1 or ingress < 1:
+            return False
+        slots = max(1, round(self.batch * model / ingress))
+        if (slots, model) == (self.slots, self.model_replicas):
+            return False
+        self.slots, self.model_replicas = slots, int(model)
+        return True
 
     def set_level(self, level: int) -> bool:
         """The degradation level now in force; True if it changed.
@@ -636,7 +654,7 @@ class AdmissionController:
         wait_s = model.per_request_s * self._smoothed_in_flight(in_flight, now) * self.e2e_s / room_s
         return {
             "predicted_wait_ms": round(wait_s * 1000.0, 1),
-            "model_queued": float(max(0, in_flight - self.slots)),
+            "model_queued": round(max(0, in_flight - self.slots) / self.model_replicas, 3),
             "refused_ratio": round(self._refusals.ratio(now), 4),
         }
 

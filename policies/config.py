@@ -60,7 +60,11 @@ from policies.features import Level, OffMode
 SIGNAL_AGGREGATION: Mapping[str, Literal["sum", "max"]] = {
     "gpu_util": "max",  # 0-1, busiest GPU
     "gpu_mem_ratio": "max",  # 0-1, fullest GPU memory
-    "queue_length": "sum",  # requests vLLM has accepted but not yet scheduled (engine waiting)
+    "queue_length": "max",  # requests vLLM has accepted but not yet scheduled (engine waiting),
+    #                         in the longest queue: each engine has its own, a request waits
+    #                         behind the one it was routed to, and queue triggers are sized
+    #                         against one engine's waiting room (a sum over several model
+    #                         replicas would trigger as if one engine held them all)
     "inflight": "sum",  # requests being served end to end (ingress; open streams included)
     "kv_cache_usage": "max",  # 0-1, fullest vLLM KV cache
     "avg_latency_ms": "max",  # mean end-to-end latency at the ingress (request in, last byte out)
@@ -70,7 +74,10 @@ SIGNAL_AGGREGATION: Mapping[str, Literal["sum", "max"]] = {
     "ttft_p95_ms": "max",  # 95th percentile time to first token inside vLLM
     # Early signals of the SLO-derived policy (`derive_policy`); both rise before latency is lost.
     "model_queued": "sum",  # requests admitted and waiting for the model's batch wherever they
-    #                         wait, as each ingress counts its own
+    #                         wait, per model replica: each ingress counts what it has in flight
+    #                         beyond its share of the replicas' batches and divides by the
+    #                         model replicas serving (`AdmissionController.set_replicas`), so
+    #                         the sum is one engine's share of the waiting, as triggers expect
     "predicted_wait_ms": "max",  # the ingress admission controller's predicted queueing delay:
     #                              the service model's per-request time x requests in flight
     #                              (averaged over admission.wait_smoothing_s), scaled so it

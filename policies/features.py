@@ -234,12 +234,16 @@ class PolicyView:
     defaults: Mapping[str, Mapping[str, object]] = None  # type: ignore[assignment]
     config_version: int = 0
     at: float = 0.0
+    # replicas reporting fresh signals, per deployment (`policies.signals.Signals.replicas`): the
+    # ingress sizes its share of the model's batch with it
+    replicas: Mapping[str, int] = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "level", Level(self.level))
         object.__setattr__(self, "enabled", frozenset(self.enabled))
         object.__setattr__(self, "modes", {f: OffMode(m) for f, m in (self.modes or {}).items()})
         object.__setattr__(self, "defaults", dict(self.defaults or {}))
+        object.__setattr__(self, "replicas", dict(self.replicas or {}))
 
     @classmethod
     def all_on(cls) -> PolicyView:
@@ -252,4 +256,5 @@ class PolicyView:
     def to_dict(self) -> dict[str, object]:
         return {"level": int(self.level), "enabled": sorted(self.enabled),
                 "modes": {f: m.value for f, m in sorted(self.modes.items())},
-                "defaults": dict(self.defaults), "config_version": self.config_version, "at": self.at}
+                "defaults": dict(self.defaults), "config_version": self.config_version, "at": self.at,
+                "replicas": dict(self.replicas)}

@@ -153,7 +153,7 @@ class FeatureClock:
 
 
 def policy_view(config: DegradationConfig, level: int, enabled: frozenset[str], version: int = 0,
-                at: float = 0.0) -> PolicyView:
+                at: float = 0.0, replicas: Mapping[str, int] | None = None) -> PolicyView:
     """The view of ``config`` at ``level`` with ``enabled`` running: off-modes and defaults
     from the config."""
     features = config.features
@@ -161,7 +161,7 @@ def policy_view(config: DegradationConfig, level: int, enabled: frozenset[str], 
         level=level, enabled=enabled,
         modes={f: config.off_mode(f) for f in features if config.off_mode(f) is not OffMode.SKIP},
         defaults={f: config.off_default(f) for f in features if config.off_mode(f) is OffMode.DEFAULT},
-        config_version=version, at=at,
+        config_version=version, at=at, replicas=replicas,
     )
 
 
@@ -288,9 +288,12 @@ class PolicyCore:
 
         Called after every change (tick, operator call, policy update): a reader waiting on
         ``view_seq`` (the actor's ``watch``) is answered at once instead of at its next poll.
+        The replicas reporting per deployment are part of the view: a replica that starts or
+        stops serving reaches every ingress the same way.
         """
         now = self.clock()
-        key = (int(self.state.level), enabled_features(self.config, self.state, now), self.config_version)
+        key = (int(self.state.level), enabled_features(self.config, self.state, now), self.config_version,
+               tuple(sorted(self.signals.replicas.items())))
         if key == self._view_key:
             return False
         self._view_key = key
@@ -483,7 +486,7 @@ class PolicyCore:
         """What request paths need, small and typed: level, enabled features, off-modes, defaults."""
         now = self.clock()
         return policy_view(self.config, self.state.level, enabled_features(self.config, self.state, now),
-                           self.config_version, now)
+                           self.config_version, now, self.signals.replicas)
 
     def load(self) -> PolicyLoad:
         """What the model's autoscaling policy reads (`policies.autoscale`): the level in force and

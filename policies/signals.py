@@ -4,9 +4,10 @@ Every replica (model, ingress, enrichments) reports the signals it can see, stam
 it took them. The aggregator keeps the latest report per source and folds the fresh ones into a
 `Signals` snapshot. Aggregation per signal:
 
-- ``sum`` for queue-like counts (``queue_length``, ``inflight``, ``model_queued``): work waiting
+- ``sum`` for counts of work (``inflight``, ``model_queued``, ``model_replicas_pending``): work
   anywhere in the cluster is work the cluster must do; replicas each see only their own share.
-- ``max`` for utilisation and latency (``gpu_util``, ``gpu_mem_ratio``, ``kv_cache_usage``,
+- ``max`` for one engine's queue (``queue_length``: a request waits behind the engine it was
+  routed to) and for utilisation and latency (``gpu_util``, ``gpu_mem_ratio``, ``kv_cache_usage``,
   ``avg_latency_ms``, ``p95_latency_ms`` (end to end, at the ingress),
   ``engine_p95_latency_ms``, ``enrichment_p95_latency_ms``, ``ttft_p95_ms``,
   ``predicted_wait_ms``): one name per meaning, each reported by one kind of replica; requests routed
@@ -25,14 +26,13 @@ on the fresh values but will not recover on a blind spot (fail-static). A signal
 on a CPU machine): it neither triggers nor blocks recovery. Sources silent for ``forget_after_s``
 are dropped, so a replica that was scaled away stops pinning its signals as stale forever.
 
-Folding in two steps gives the same snapshot as one: a sum of per-node sums is the cluster sum,
-a max of per-node maxes the cluster max, and a signal stale on a node is stale in the node's
-report (`Signals.report_args`) and so in the cluster. A node-level reporter can therefore keep an
-`Aggregator` of its own replicas and send the policy actor one report per node instead of one
-per replica (issue 14: at 1,000 replicas the per-replica reports, not the fold, are what a single
-actor cannot keep up with; ``bench/policy_scale.py --per-node``). What the top level no longer
-sees is each replica: ``sources`` counts nodes there, and a replica that went silent is stale
-within its node's fold, not in the actor's list of sources.
+Reports reach the policy actor batched per node (`deployments.node_reporter`: at 1,000 replicas
+the number of calls, not the fold, is what a single actor cannot keep up with), each still under
+its own replica's source, so ``sources`` counts replicas and a replica that went silent goes stale
+here. ``replicas`` counts the fresh sources per deployment (a source is ``<deployment>:<replica
+id>``, `deployments.reporting.replica_source`): the ingress sizes its share of the model's batch
+with it. (Folding in two steps would give the same snapshot as one, `Signals.report_args`; the
+node reporter does not fold, so that staleness and counts stay per replica.)
 
 No clock is read here: every method takes ``now``.
 """
@@ -54,6 +54,7 @@ class Signals:
     values: Mapping[str, float] = field(default_factory=dict)
     stale: frozenset[str] = frozenset()
     sources: int = 0
+    replicas: Mapping[str, int] = field(default_factory=dict)  # fresh sources per deployment
 
     def report_args(self) -> tuple[dict[str, float], list[str]]:
         """This snapshot as one report's ``(signals, stale)``, the arguments of the policy actor's
@@ -67,6 +68,7 @@ class Signals:
             "values": dict(self.values),
             "stale": sorted(self.stale),
             "sources": self.sources,
+            "replicas": dict(self.replicas),
         }
 
 
@@ -117,6 +119,7 @@ class Aggregator:
         maxes: dict[str, float] = {}
         stale_seen: set[str] = set()
         fresh_sources = 0
+        replicas: dict[str, int] = {}
         forgotten = []
         for source, report in self._latest.items():
             if report.at < forget_cutoff:
@@ -126,6 +129,8 @@ class Aggregator:
                 stale_seen.update(report.values)
                 continue
             fresh_sources += 1
+            deployment = source.partition(":")[0]
+            replicas[deployment] = replicas.get(deployment, 0) + 1
             stale_seen.update(report.stale)
             for name, value in report.values.items():
                 if AGGREGATION[name] == "sum":
@@ -140,4 +145,5 @@ class Aggregator:
             values=values,
             stale=frozenset(stale_seen),
             sources=fresh_sources,
+            replicas=replicas,
         )

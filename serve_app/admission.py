@@ -87,6 +87,7 @@ class AdmissionGate:
         self.in_flight = 0
         self.share = ShareClock()  # each request's share of the service, for the service model
         self.level = 0  # the degradation level in force (`set_level`): each has its own model
+        self.replicas = (1, 1)  # model and ingress replicas serving (`set_replicas`)
         self.admitted: Counter[str] = Counter()
         self.refused: Counter[tuple[str, str]] = Counter()
 
@@ -100,6 +101,7 @@ class AdmissionGate:
         elif self.controller is None:
             self.controller = AdmissionController(slo, settings, self.max_num_seqs)
             self.controller.set_level(self.level)
+            self.controller.set_replicas(*self.replicas)
         else:
             self.controller.update(slo, settings)
         self.enabled = self.controller is not None and settings.enabled
@@ -131,6 +133,13 @@ class AdmissionGate:
         mark = self.share.mark(now, self.in_flight)
         if served and self.controller is not None:
             self.controller.observe_completion(now, now - ticket.admitted_at, mark - ticket.share_mark)
+
+    def set_replicas(self, model: int, ingress: int) -> None:
+        """How many model and ingress replicas serve (the policy actor's view): this replica's
+        share of the batches (`AdmissionController.set_replicas`)."""
+        self.replicas = (int(model), int(ingress))
+        if self.controller is not None:
+            self.controller.set_replicas(model, ingress)
 
     def set_level(self, level: int) -> None:
         """The degradation level in force, as the ingress last fetched it: admission uses that
@@ -178,6 +187,8 @@ class AdmissionGate:
             "base_latency_s": None if ctl is None else round(ctl.model.base_s, 3),
             "per_request_s": None if ctl is None else round(ctl.model.per_request_s, 3),
             "level": self.level,
+            "slots": None if ctl is None else ctl.slots,
+            "model_replicas": None if ctl is None else ctl.model_replicas,
             "max_admitted": None if ctl is None else {c.value: ctl.max_admitted(c) for c in Criticality},
             # the caps in force now: the share's cap less the room kept for more critical classes
             "class_cap": None if ctl is None else {c.value: ctl.class_cap(c, now) for c in Criticality},

@@ -446,6 +446,8 @@ class Ingress:
     ) -> None:
         self.model = model
         self.model_slots = model_slots  # the engine's batch (max_num_seqs): admission and derived levels
+        # deployment names, as report sources carry them (`replica_source`): <deployment>:<id>
+        self.model_deployment = str(getattr(model, "deployment_name", "VLLMModel"))
         self.served_model_name = served_model_name
         # the builder passes validated models (kept as they are); a dict is validated here
         self.limits = IngressLimits.model_validate(limits or {})
@@ -469,6 +471,7 @@ class Ingress:
         self.local = {k: kinds[k].build(s) for k, s in local_settings.items() if k in kinds}
         by_feature = {f.name: self.local[f.worker.kind] for f in features if f.host is None}
         source = self.source = replica_source("Ingress")
+        self.deployment = source.partition(":")[0]
         spool_root = Path(spool_dir).expanduser() if spool_dir else None
         rank = _replica_rank()
         outcomes = ServeCounter("brownout_stage_outcomes", "Optional stages not run as asked, by outcome",
@@ -548,6 +551,8 @@ class Ingress:
             self.level_changes.append((time.time(), int(view.level)))
         self.view, self.view_fetched_at, self._view_seq = view, time.time(), int(seq)
         self.gate.set_level(int(view.level))  # admission uses the service model measured at this level
+        # this replica's share of the model replicas' batches, from who reports (0: not known yet)
+        self.gate.set_replicas(view.replicas.get(self.model_deployment, 0), view.replicas.get(self.deployment, 0))
 
     def _signals(self) -> dict[str, float]:
         self._export_circuits()

@@ -72,6 +72,14 @@ def autoscaled_config(cluster: Cluster) -> dict[str, Any]:
     return config
 
 
+def admission(cluster: Cluster) -> dict[str, Any]:
+    """The admission state of the ingress replica that answers (``/admin/brownout``)."""
+    with cluster.client() as http:
+        r = http.get("/admin/brownout")
+    assert r.status_code == 200, r.text
+    return r.json()["ingress"]["admission"]
+
+
 class Clients:
     """``n`` clients each sending streamed answers one after another until stopped."""
 
@@ -111,6 +119,8 @@ def test_model_autoscales_while_the_policy_degrades_and_recovers(deployed: Clust
     wait_for("one model replica running", lambda: running(model_replicas()) == 1, 300, 2)
     ray.get(policy_actor().clear_override.remote(level=True), timeout=30)
     wait_for("level 0 before the load", lambda: actor_state()["level"] == 0, 180, 1)
+    one = admission(deployed)  # the ingress's share of one engine's batch
+    assert one["model_replicas"] == 1, one
 
     seen_pending: dict[str, Any] = {}
     started = time.time()  # the actor's clock is the wall clock of this machine
@@ -133,12 +143,16 @@ def test_model_autoscales_while_the_policy_degrades_and_recovers(deployed: Clust
         wait_for("no replica pending", lambda: actor_state()["signals"]["values"].get(
             "model_replicas_pending") == 0, 30, 0.5)
         wait_for("level 0 with both replicas serving", lambda: actor_state()["level"] == 0, 60, 1)
+        # admission counts both engines' batches (the policy actor's view names who reports)
+        wait_for("the ingress sized for two engines", lambda: (lambda a: a["model_replicas"] == 2
+                 and a["slots"] == 2 * one["slots"])(admission(deployed)), 30, 0.5)
         assert running(model_replicas()) == 2  # under load at level 0: the count holds
     assert clients.statuses and set(clients.statuses) == {200}, sorted(set(clients.statuses))
     # the load is gone and the policy is at level 0: the count may fall (downscale delay 3 s,
     # behind the 3 s look-back)
     wait_for("back to one model replica", lambda: running(model_replicas()) == 1
              and sum(model_replicas().values()) == 1, 180, 2)
+    wait_for("the ingress sized for one engine again", lambda: admission(deployed)["slots"] == one["slots"], 30, 1)
     # nothing but the pending replica raised the level during the whole run
     history = ray.get(policy_actor().history.remote(50), timeout=30)
     raised = [t for t in history if t["to"] > t["from"] and t["at"] >= started]

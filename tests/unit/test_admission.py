@@ -281,6 +281,22 @@ def test_signals_for_the_policy_actor() -> None:
     assert ctl.signals(12, 0.0) == {"predicted_wait_ms": 1260.0, "model_queued": 4.0, "refused_ratio": 0.0}
 
 
+@pytest.mark.parametrize("model, ingress, slots, queued", [
+    (1, 1, 8, 12.0),  # one engine's batch of 8: 12 of 20 wait
+    (2, 1, 16, 2.0),  # two engines: 16 run, 4 wait, 2 per engine
+    (3, 1, 24, 0.0),  # three engines: all 20 run
+    (1, 2, 4, 16.0),  # two ingress replicas share one engine: this one's half of the batch
+    (2, 4, 4, 8.0),   # and summed over the 4 ingress replicas: what waits per engine
+    (0, 1, 8, 12.0),  # no model replica reporting yet: the share stays as it was
+])
+def test_the_share_of_the_batches_follows_the_replicas(model: int, ingress: int, slots: int, queued: float) -> None:
+    ctl = controller(slots=8)
+    changed = ctl.set_replicas(model, ingress)
+    assert changed == ((slots, max(model, 1)) != (8, 1))
+    assert ctl.slots == slots and ctl.signals(20, 0.0)["model_queued"] == queued
+    assert not ctl.set_replicas(model, ingress)  # the same counts again: nothing changes
+
+
 @pytest.mark.parametrize(
     "name, events, now, expected",
     [

@@ -193,9 +193,13 @@ def test_a_replica_that_has_not_heard_from_the_actor_serves_at_its_start_level()
 
 def test_view_seq_moves_exactly_when_what_a_reader_acts_on_changes() -> None:
     """The long-poll (`PolicyActor.watch`) answers when `view_seq` moves: on a level change,
-    an operator's pin or feature override, a new policy; not on a tick that changed nothing."""
+    an operator's pin or feature override, a new policy, a replica starting or ceasing to
+    report; not on a tick that changed nothing."""
     clock = FakeClock()
     c = core(clock)
+    c.report("model:a", {"queue_length": 0})
+    c.tick()
+    assert c.publish() and c.view().replicas == {"model": 1}  # a replica began reporting
     seq = c.view_seq
     c.report("model:a", {"queue_length": 0})
     c.tick()
@@ -211,6 +215,12 @@ def test_view_seq_moves_exactly_when_what_a_reader_acts_on_changes() -> None:
     doc = {**POLICY, "stale_after_s": 3}
     assert c.update_config(doc)["changed"]
     assert c.publish() and c.view_seq == seq + 4
+    c.report("model:b", {"queue_length": 10})
+    c.tick()
+    assert c.publish() and c.view_seq == seq + 5 and c.view().replicas == {"model": 2}
+    clock.advance(4)  # past stale_after_s (3 s): neither replica counts
+    c.tick()
+    assert c.publish() and c.view().replicas == {}
 
 
 def test_a_report_that_alone_reaches_a_higher_trigger_asks_for_an_early_tick() -> None:

@@ -6,13 +6,19 @@ from policies.config import SIGNALS
 from policies.signals import AGGREGATION, Aggregator, Report
 
 
-def test_sums_queues_and_takes_max_of_utilisation_and_latency() -> None:
+def test_sums_work_and_takes_max_of_one_engines_queue_utilisation_and_latency() -> None:
     agg = Aggregator(stale_after_s=5)
-    agg.add(Report("model-a", 10.0, {"queue_length": 3, "gpu_util": 0.5, "p95_latency_ms": 200}))
-    agg.add(Report("model-b", 10.5, {"queue_length": 4, "gpu_util": 0.9, "p95_latency_ms": 150}))
+    agg.add(Report("VLLMModel:a", 10.0, {"queue_length": 3, "gpu_util": 0.5}))
+    agg.add(Report("VLLMModel:b", 10.5, {"queue_length": 4, "gpu_util": 0.9}))
+    agg.add(Report("Ingress:x", 10.0, {"inflight": 5, "model_queued": 1.5, "p95_latency_ms": 200}))
+    agg.add(Report("Ingress:y", 10.5, {"inflight": 2, "model_queued": 0.5, "p95_latency_ms": 150}))
     snap = agg.aggregate(now=11.0)
-    assert snap.values == {"queue_length": 7, "gpu_util": 0.9, "p95_latency_ms": 200}
-    assert snap.stale == frozenset() and snap.sources == 2
+    # each engine has its own waiting queue: the longest, not the sum of two engines' queues
+    assert snap.values == {"queue_length": 4, "gpu_util": 0.9, "inflight": 7, "model_queued": 2.0,
+                           "p95_latency_ms": 200}
+    assert snap.stale == frozenset() and snap.sources == 4
+    assert snap.replicas == {"VLLMModel": 2, "Ingress": 2}  # fresh sources per deployment
+    assert agg.aggregate(now=15.2).replicas == {"VLLMModel": 1, "Ingress": 1}  # a and x are stale
 
 
 def test_stale_report_is_ignored_and_its_signals_named() -> None:
@@ -131,8 +137,8 @@ def test_a_fold_per_node_then_over_nodes_equals_one_fold_over_all_replicas() -> 
 
 def test_report_args_are_what_the_actor_takes() -> None:
     agg = Aggregator(stale_after_s=5)
-    agg.add(Report("a", 9.0, {"queue_length": 2, "gpu_util": 0.4}, frozenset({"gpu_util"})))
-    agg.add(Report("b", 9.5, {"queue_length": 1}))
+    agg.add(Report("a", 9.0, {"inflight": 2, "gpu_util": 0.4}, frozenset({"gpu_util"})))
+    agg.add(Report("b", 9.5, {"inflight": 1}))
     values, stale = agg.aggregate(10.0).report_args()
-    assert values == {"queue_length": 3, "gpu_util": 0.4} and stale == ["gpu_util"]
+    assert values == {"inflight": 3, "gpu_util": 0.4} and stale == ["gpu_util"]
     Report("node", 10.0, values, frozenset(stale))  # valid as one report
