@@ -1,10 +1,12 @@
 """Scale benchmark of the policy actor (issue 14, deliverable 5): 1,000 replicas reporting and 100
 ingress readers polling the one real `policies.actor.PolicyActor`.
 
-    .venv/bin/python -m bench.policy_scale                    # 60 s, 1,000 replicas, 100 readers
+    .venv/bin/python -m bench.policy_scale                    # as shipped: 60 s, 1,000 replicas on 100
+                                                              # nodes, 100 readers following by watch
     .venv/bin/python -m bench.policy_scale --duration-s 20    # shorter
     .venv/bin/python -m bench.policy_scale --replicas 200 --readers 20 --clients 2
-    .venv/bin/python -m bench.policy_scale --per-node 50      # one report per node of 50 replicas
+    .venv/bin/python -m bench.policy_scale --per-node 1 --no-watch   # as before: every replica reports
+                                                              # to the actor, every reader polls
 
 What it starts: its own Ray cluster (``ray.init(address="local")`` in a private temp dir, ended
 with ``ray.shutdown()``) and in it the real `PolicyActor` class with the default policy, under a
@@ -13,14 +15,15 @@ unique name and namespace (nothing else can collide with it). Its tick loop, its
 
 How 1,000 replicas fit on 2 cores: not as 1,000 processes. ``--clients`` (4) client actors
 (``num_cpus=0``) each run a share of the simulated replicas and readers as asyncio tasks on one
-event loop, with the replicas' own code: each simulated replica has its own
-`deployments.reporting.ActorLink` (timeout, back-off, pending cap) and a
+event loop, with the replicas' own code: each simulated replica has a
 `deployments.reporting.signal_reporter` task sending ``report(source, signals)`` every
-``--report-s`` (0.25 s, the shipped ``report_s``); each reader has its own link and a
-`PeriodicTask` calling ``view`` every ``--refresh-s`` (0.25 s, the former poll) and checking
-what it got; with ``--watch``, as the shipped ``serve_app.ingress.Ingress._refresh`` does now, it
-long-polls the actor's ``watch`` instead (answered when the view moves or after 5 s; its
-"refresh" latency is then mostly the wait, and the figure that counts is the level reach). Start times are spread
+``--report-s`` (0.25 s, the shipped ``report_s``), to its node's reporter (below) or, with
+``--per-node 1``, to the actor through its own `deployments.reporting.ActorLink` (timeout,
+back-off, pending cap); each reader has its own link and, as the shipped
+``serve_app.ingress.Ingress._refresh`` does, long-polls the actor's ``watch`` (answered when the
+view moves or after 5 s; its "refresh" latency is then mostly the wait, and the figure that
+counts is the level reach), or with ``--no-watch`` calls ``view`` every ``--refresh-s`` (0.25 s,
+the former poll). Start times are spread
 over one interval, as replicas start at different times. The signal dicts are a replica's:
 60% model replicas (``queue_length``, ``kv_cache_usage``, ``ttft_p95_ms``,
 ``engine_p95_latency_ms``, ``gpu_util``, ``gpu_mem_ratio``), 30% enrichment hosts
@@ -781,9 +784,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--replicas", type=int, default=1000)
     ap.add_argument("--readers", type=int, default=100)
     ap.add_argument("--clients", type=int, default=4, help="client actors the replicas and readers share (4)")
-    ap.add_argument("--per-node", type=int, default=1,
+    ap.add_argument("--per-node", type=int, default=10,
                     help="replicas per node whose reports the node's reporter sends on in batches, as the "
-                         "shipped code does (1: each replica reports to the actor itself, as before)")
+                         "shipped code does (10: 100 nodes; 1: each replica reports to the actor itself, "
+                         "as before the node reporters)")
     ap.add_argument("--local-real", type=int, default=8,
                     help="with --per-node: replicas that report through real Ray calls to the real "
                          "NodeReporter, from a client process of their own (timed as 'report'); the rest "
@@ -791,9 +795,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--readers-per-node", type=int, default=1,
                     help="ingress readers per node that share one poll of view (1: each polls, as the shipped "
                          "code does)")
-    ap.add_argument("--watch", action="store_true",
+    ap.add_argument("--watch", action=argparse.BooleanOptionalAction, default=True,
                     help="readers follow the level by long-poll (the actor's watch), as the shipped ingress "
-                         "does, instead of polling view every --refresh-s")
+                         "does; --no-watch: they poll view every --refresh-s, as before")
     ap.add_argument("--report-s", type=float, default=0.25)
     ap.add_argument("--refresh-s", type=float, default=0.25)
     ap.add_argument("--tick-s", type=float, default=0.25)
