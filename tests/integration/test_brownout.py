@@ -400,6 +400,48 @@ def test_policy_actor_restart_keeps_config_and_pins(deployed: Cluster, http: htt
     admin(http, "DELETE", params={"level": "true", "feature": "debug_capture"})
 
 
+def test_a_killed_node_reporter_is_replaced_and_every_replica_reports_again(deployed: Cluster) -> None:
+    """The replicas report through their node's reporter (`deployments.node_reporter`); killed, it
+    is not restarted by Ray, but the first report after its death finds it gone and creates it
+    again, so every replica's source is fresh again within a few seconds and nothing else moves."""
+    import ray
+
+    from deployments.node_reporter import reporter_name
+    from policies.actor import ACTOR_NAMESPACE
+
+    actor = policy_actor()
+    name = reporter_name(ray.get_runtime_context().get_node_id())
+    old = ray.get_actor(name, namespace=ACTOR_NAMESPACE)
+    before = ray.get(old.state.remote(), timeout=10)
+    assert before["forwarded"] > 0 and before["calls"] > 0, before  # the replicas' reports went through it
+    start = ray.get(actor.get_state.remote(), timeout=10)
+    fresh, level = start["signals"]["sources"], start["level"]
+    ray.kill(old, no_restart=True)
+    killed = time.monotonic()
+
+    def replaced() -> dict[str, Any] | None:
+        try:
+            new = ray.get_actor(name, namespace=ACTOR_NAMESPACE)
+            state = ray.get(new.state.remote(), timeout=5)
+        except Exception:  # noqa: BLE001 - not there yet
+            return None
+        return state if state["forwarded"] > 0 else None
+
+    state = None
+    while state is None and time.monotonic() - killed < 30:
+        state = replaced()
+        time.sleep(0.25)
+    assert state is not None, "no new node reporter forwarding within 30 s of the kill"
+    # as many replicas report fresh signals as before, and the level did not move
+    after = ray.get(actor.get_state.remote(), timeout=10)
+    while after["signals"]["sources"] < fresh and time.monotonic() - killed < 30:
+        time.sleep(0.25)
+        after = ray.get(actor.get_state.remote(), timeout=10)
+    assert after["signals"]["sources"] >= fresh, (fresh, after["signals"], after["sources"])
+    assert after["level"] == level
+    print(f"\nnode reporter replaced {time.monotonic() - killed:.1f} s after the kill: {state}", flush=True)
+
+
 def _policy_applied(actor: Any, gpu_util: float, timeout_s: float = 20) -> dict[str, Any]:
     import ray
 

@@ -559,11 +559,29 @@ def test_reservation_fades_when_critical_demand_stops() -> None:
     assert ctl.class_cap(S, 30.0 + 10 * 10.0) == 16  # ten time constants later
 
 
-def test_critical_demand_that_fills_the_server_leaves_others_only_an_idle_server() -> None:
+def test_critical_demand_that_fills_the_server_shuts_the_others_out() -> None:
     ctl = controller(settings_=RESERVING)
     _offer(ctl, C, 20.0, 30.0)  # twice what the server completes
-    assert ctl.class_cap(S, 30.0) == 1 and ctl.class_cap(D, 30.0) == 1
-    assert ctl.decide(S, 0, 30.0).admitted and not ctl.decide(S, 1, 30.0).admitted
+    assert ctl._arrivals[0].rate(30.0) >= ctl.rate_per_s
+    assert ctl.class_cap(S, 30.0) == 0 and ctl.class_cap(D, 30.0) == 0
+    refused = ctl.decide(S, 0, 30.0)  # even with nothing ahead: critical will take the slot
+    assert not refused.admitted and refused.status == 429 and refused.retry_after_s >= 1
+    assert ctl.decide(C, 0, 30.0).admitted
+
+
+@pytest.mark.parametrize("with_reservation", [False, True])
+def test_sheddable_is_shut_out_while_the_classes_above_alone_fill_the_server(with_reservation: bool) -> None:
+    """Where caps are small, standard and sheddable both sit at the floor of 1 under overload and
+    would be shed alike; while critical + standard alone arrive as fast as the server completes,
+    sheddable gets nothing, and standard still gets an idle server."""
+    ctl = controller(settings_=RESERVING if with_reservation else SETTINGS)
+    rate = ctl.rate_per_s
+    _offer(ctl, C, 0.3 * rate, 30.0)
+    _offer(ctl, S, 0.9 * rate, 30.0)  # together 1.2x the server
+    assert ctl.class_cap(D, 30.0) == 0 and ctl.class_cap(S, 30.0) >= 1
+    assert not ctl.decide(D, 0, 30.0).admitted and ctl.decide(S, 0, 30.0).admitted
+    # once the classes above slow down (their rates decay), sheddable is admitted again
+    assert ctl.class_cap(D, 30.0 + 5 * 10.0) >= 1
 
 
 def test_shed_order_holds_with_reservation() -> None:
