@@ -272,6 +272,7 @@ class ReportBatcher:
                     await asyncio.wait_for(self._urgent.wait(), pause)
                 except asyncio.TimeoutError:
                     pass
+            urgent = self._urgent.is_set()
             self._urgent.clear()
             now = self._clock()
             taken = {src: entry for src, entry in self._waiting.items() if now - entry[0] <= self.max_age_s}
@@ -287,6 +288,8 @@ class ReportBatcher:
                 self.failures += 1
                 for src, entry in taken.items():  # a report put meanwhile is newer: it wins
                     self._waiting.setdefault(src, entry)
+                if urgent:  # the retry does not wait for the gap either
+                    self._urgent.set()
                 await asyncio.sleep(self.retry_s)
                 continue
             self.calls += 1

@@ -405,3 +405,22 @@ def test_routine_reports_wait_for_the_gap_and_one_that_may_escalate_goes_at_once
     first, second, third = (t - t0 for t in actor.at)
     assert first < 0.1 and second >= 0.3 and third - second < 0.1
     assert batcher.calls == 3 and batcher.urgent == 2  # the first (no floor yet) and the 12
+
+
+def test_a_failed_report_that_may_escalate_is_retried_without_waiting_for_the_gap() -> None:
+    actor = GatedActor(escalate_at={"queue_length": 10.0})
+    actor.error = RuntimeError("actor restarting")
+    actor.gate.set()
+    batcher = ReportBatcher(ActorLink(lambda: actor), min_gap_s=5.0, retry_s=0.01)
+
+    async def run() -> float:
+        t0 = time.monotonic()
+        batcher.put("m:1", {"queue_length": 12.0})  # no floor yet: urgent, and the call fails
+        while batcher.failures < 1:
+            await asyncio.sleep(0.001)
+        actor.error = None
+        await _settle(batcher)
+        return time.monotonic() - t0
+
+    took = asyncio.run(run())
+    assert actor.reports == [[("m:1", {"queue_length": 12.0}, [])]] and took < 1.0
