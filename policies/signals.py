@@ -31,8 +31,8 @@ the number of calls, not the fold, is what a single actor cannot keep up with), 
 its own replica's source, so ``sources`` counts replicas and a replica that went silent goes stale
 here. ``replicas`` counts the fresh sources per deployment (a source is ``<deployment>:<replica
 id>``, `deployments.reporting.replica_source`): the ingress sizes its share of the model's batch
-with it. (Folding in two steps would give the same snapshot as one, `Signals.report_args`; the
-node reporter does not fold, so that staleness and counts stay per replica.)
+with it. (The node reporter does not fold its replicas' reports into one: staleness and counts
+stay per replica.)
 
 No clock is read here: every method takes ``now``.
 """
@@ -55,12 +55,6 @@ class Signals:
     stale: frozenset[str] = frozenset()
     sources: int = 0
     replicas: Mapping[str, int] = field(default_factory=dict)  # fresh sources per deployment
-
-    def report_args(self) -> tuple[dict[str, float], list[str]]:
-        """This snapshot as one report's ``(signals, stale)``, the arguments of the policy actor's
-        ``report(source, signals, stale)``: a node's fold sent on as one source. A stale signal
-        keeps its fresh value (escalation still acts on it) and is named stale (recovery does not)."""
-        return dict(self.values), sorted(self.stale)
 
     def to_dict(self) -> dict[str, object]:
         return {
