@@ -524,15 +524,18 @@ def first_error(records: Sequence[Any]) -> str:
     return "" if bad is None else f"status {bad.status} {(bad.error or '')[:120]}"
 
 
+UNLOADED_N = 10  # requests one at a time after each warm-up: the "one at a time" figures
+
+
 def warm_up(base: str, plan: Plan, brownout: bool, label: str, first: bool = False) -> dict[str, Any]:
     """Load first (the first batches after a deploy are slow: ``first`` loads longer), then the
-    unloaded latency: a few requests one at a time. Returns (and logs) the latter; the capacity
-    cannot beat it."""
+    unloaded latency: ``UNLOADED_N`` requests one at a time (four gave a median that moved by
+    a third between runs). Returns (and logs) the latter; the capacity cannot beat it."""
     seconds = plan.first_warm_s if first else plan.warm_s
     burst = run_profile(base, constant(2.0, seconds), plan, f"{label} warm-up", drain_s=60, mix=None, poll=False)
     wait_idle(base, brownout)
     singles: list[Any] = []
-    for _ in range(4):
+    for _ in range(UNLOADED_N):
         singles += run_profile(base, constant(1000.0, 1.0), plan, f"{label} unloaded", drain_s=60, mix=None,
                                poll=False, max_requests=1).records
     e2e = [r.e2e_ms for r in singles if r.ok and r.e2e_ms is not None]
