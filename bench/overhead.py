@@ -44,6 +44,7 @@ def deploy(port: int, model_dir: str, data_dir: str) -> None:
     from ray import serve
     from ray.serve.llm import LLMConfig, build_openai_app
 
+    from deployments.engine import EngineSettings, LLMEngine
     from serve_app.app import BrownoutArgs, ModelArgs, build_app
 
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -59,7 +60,10 @@ def deploy(port: int, model_dir: str, data_dir: str) -> None:
     builtin_cfg = LLMConfig(
         model_loading_config={"model_id": MODEL_NAME, "model_source": model_dir},
         accelerator_config={"kind": "cpu"},
-        engine_kwargs=dict(ENGINE),
+        # the dtype Brownout's engine resolves "auto" to here (float32 on a CPU without native
+        # bfloat16), as bench/overload.py gives it: "auto" passed on as it is would run the
+        # built-in app's engine in the weights' bfloat16, emulated and slower on such a CPU
+        engine_kwargs={**ENGINE, "dtype": LLMEngine(EngineSettings(model="unused", dtype=ENGINE["dtype"])).dtype()},
         runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1"}},
     )
     builtin = build_openai_app({"llm_configs": [builtin_cfg],
