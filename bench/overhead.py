@@ -40,11 +40,17 @@ MODEL_NAME = "brownout-tiny"
 HEADERS: dict[str, str] = {}  # the key and admin token of the private apps (`deploy`)
 
 
+def resolved_dtype() -> str:
+    """The dtype Brownout's engine resolves ``ENGINE["dtype"]`` to on this machine."""
+    from deployments.engine import EngineSettings, LLMEngine
+
+    return LLMEngine(EngineSettings(model="unused", dtype=ENGINE["dtype"])).dtype()
+
+
 def deploy(port: int, model_dir: str, data_dir: str) -> None:
     from ray import serve
     from ray.serve.llm import LLMConfig, build_openai_app
 
-    from deployments.engine import EngineSettings, LLMEngine
     from serve_app.app import BrownoutArgs, ModelArgs, build_app
 
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -63,7 +69,7 @@ def deploy(port: int, model_dir: str, data_dir: str) -> None:
         # the dtype Brownout's engine resolves "auto" to here (float32 on a CPU without native
         # bfloat16), as bench/overload.py gives it: "auto" passed on as it is would run the
         # built-in app's engine in the weights' bfloat16, emulated and slower on such a CPU
-        engine_kwargs={**ENGINE, "dtype": LLMEngine(EngineSettings(model="unused", dtype=ENGINE["dtype"])).dtype()},
+        engine_kwargs={**ENGINE, "dtype": resolved_dtype()},
         runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1"}},
     )
     builtin = build_openai_app({"llm_configs": [builtin_cfg],
@@ -123,6 +129,7 @@ def main() -> None:
             "max_tokens": args.max_tokens,
             "concurrency": 1,
             "engine": ENGINE,
+            "dtype_in_use": resolved_dtype(),  # all three engines: what "auto" resolves to here
             "median_ms": {k: round(v, 2) for k, v in med.items()},
             "p90_ms": {k: round(sorted(v)[int(0.9 * len(v))], 2) for k, v in lat.items()},
             "ratio_core_over_builtin": round(med["core"] / med["builtin"], 4),
