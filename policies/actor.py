@@ -5,9 +5,10 @@ restarted by Ray without limit. Replicas obtain it with `get_or_create_policy_ac
 replicas run in namespace "serve", so the namespace is always passed explicitly.
 
 Every replica reports its signals with ``report(source, signals)`` on a timer, to its node's
-reporter (`deployments.node_reporter`), which sends the node's reports on with ``report_batch``; the actor keeps the latest report per source
-(`policies.signals.Aggregator`), and every ``tick_s`` (250 ms) runs ``decide()``. Each level
-change is logged as one JSON line and kept in a bounded history.
+reporter (`deployments.node_reporter`), which sends the node's reports on with
+``report_batch``; the actor keeps the latest report per source (`policies.signals.Aggregator`),
+and every ``tick_s`` (250 ms) runs ``decide()``. Each level change is logged as one JSON line
+and kept in a bounded history.
 
 The control path is one tick long. A report whose values alone reach a trigger above the
 policy level (`PolicyCore.may_escalate`) wakes the loop to decide at once (at most one early
