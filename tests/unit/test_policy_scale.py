@@ -215,7 +215,8 @@ def test_sim_client_sends_the_replicas_calls(per_node: int, real: int, readers_p
     out = asyncio.run(go())
     reports = [args for name, args in actor.calls if name == "report"]
     batches = [args[0] for name, args in actor.calls if name == "report_batch"]
-    assert out["stopped"] and out["failures"] == 0 and out["bad_views"] == 0
+    summary = {k: out[k] for k in ("stopped", "failures", "skipped", "bad_views", "batched")}
+    assert out["stopped"] and out["failures"] == 0 and out["bad_views"] == 0, summary
     assert len({args[0] for args in reports}) == (10 if per_node == 1 else real)
     views = sum(name == "view" for name, _ in actor.calls)  # one poll per node: about 6 each in 0.3 s
     assert pollers <= views <= pollers * 8
