@@ -33,18 +33,13 @@ from pathlib import Path
 
 import httpx
 
+from deployments.engine import engine_dtype
+
 ENGINE = {"max_num_seqs": 16, "max_model_len": 1024, "enforce_eager": True, "dtype": "auto", "seed": 0}
 MODEL_NAME = "brownout-tiny"
 
 
 HEADERS: dict[str, str] = {}  # the key and admin token of the private apps (`deploy`)
-
-
-def resolved_dtype() -> str:
-    """The dtype Brownout's engine resolves ``ENGINE["dtype"]`` to on this machine."""
-    from deployments.engine import EngineSettings, LLMEngine
-
-    return LLMEngine(EngineSettings(model="unused", dtype=ENGINE["dtype"])).dtype()
 
 
 def deploy(port: int, model_dir: str, data_dir: str) -> None:
@@ -66,10 +61,7 @@ def deploy(port: int, model_dir: str, data_dir: str) -> None:
     builtin_cfg = LLMConfig(
         model_loading_config={"model_id": MODEL_NAME, "model_source": model_dir},
         accelerator_config={"kind": "cpu"},
-        # the dtype Brownout's engine resolves "auto" to here (float32 on a CPU without native
-        # bfloat16), as bench/overload.py gives it: "auto" passed on as it is would run the
-        # built-in app's engine in the weights' bfloat16, emulated and slower on such a CPU
-        engine_kwargs={**ENGINE, "dtype": resolved_dtype()},
+        engine_kwargs={**ENGINE, "dtype": engine_dtype(ENGINE["dtype"])},  # not "auto": see engine_dtype
         runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1"}},
     )
     builtin = build_openai_app({"llm_configs": [builtin_cfg],
@@ -129,7 +121,7 @@ def main() -> None:
             "max_tokens": args.max_tokens,
             "concurrency": 1,
             "engine": ENGINE,
-            "dtype_in_use": resolved_dtype(),  # all three engines: what "auto" resolves to here
+            "dtype_in_use": engine_dtype(ENGINE["dtype"]),  # all three engines: what "auto" resolves to here
             "median_ms": {k: round(v, 2) for k, v in med.items()},
             "p90_ms": {k: round(sorted(v)[int(0.9 * len(v))], 2) for k, v in lat.items()},
             "ratio_core_over_builtin": round(med["core"] / med["builtin"], 4),

@@ -644,15 +644,14 @@ def deploy_builtin(http_port: int, config: dict[str, Any]) -> None:
     from ray import serve
     from ray.serve.llm import LLMConfig, build_openai_app
 
-    from deployments.engine import EngineSettings, LLMEngine
+    from deployments.engine import engine_dtype
     from deployments.tiny_model import ensure_tiny_model
 
     m = config["applications"][0]["args"]["model"]
     engine = {"max_num_seqs": m["max_num_seqs"], "max_model_len": m["max_model_len"],
               "enforce_eager": m["enforce_eager"], "seed": 0,
-              # the dtype Brownout's engine resolves "auto" to here (float32 on a CPU without
-              # native bfloat16): the same engine settings, or the comparison is not fair
-              "dtype": LLMEngine(EngineSettings(model="unused", dtype=m.get("dtype", "auto"))).dtype()}
+              # not "auto" as it is: the same engine settings, or the comparison is not fair
+              "dtype": engine_dtype(m.get("dtype", "auto"))}
     cfg = LLMConfig(
         model_loading_config={"model_id": m["served_model_name"], "model_source": str(ensure_tiny_model())},
         accelerator_config={"kind": "cpu"},

@@ -121,6 +121,17 @@ def cpu_dtype(requested: str, cpu_flags: frozenset[str]) -> str:
     return "float32"
 
 
+def engine_dtype(setting: str) -> str:
+    """The dtype handed to vLLM for the ``dtype`` setting: as set, with ``auto`` resolved for
+    CPUs (`cpu_dtype`). The benchmarks give Ray's built-in app the same, not "auto": its engine
+    would run the weights' bfloat16, emulated and slower on a CPU without native bfloat16."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return setting
+    return cpu_dtype(setting, _cpu_flags())
+
+
 def _cpu_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
@@ -478,12 +489,8 @@ class LLMEngine:
             logger.warning("abort of request %s failed", request_id, exc_info=True)
 
     def dtype(self) -> str:
-        """The dtype handed to vLLM: the setting, with ``auto`` resolved for CPUs (`cpu_dtype`)."""
-        from vllm.platforms import current_platform
-
-        if not current_platform.is_cpu():
-            return self.settings.dtype
-        return cpu_dtype(self.settings.dtype, _cpu_flags())
+        """The dtype handed to vLLM (`engine_dtype` of the setting)."""
+        return engine_dtype(self.settings.dtype)
 
     def _export_env(self) -> None:
         wanted = str(self.settings.kv_cache_space_gib)
