@@ -214,6 +214,15 @@ def evaluate(results: Mapping[str, float | None],
     return out
 
 
+def sum_counts(counts: Iterable[Mapping[str, int]]) -> dict[str, int]:
+    """Counters added up key by key (a key at 0 stays)."""
+    out: dict[str, int] = {}
+    for one in counts:
+        for key, n in one.items():
+            out[key] = out.get(key, 0) + n
+    return out
+
+
 def json_safe(value: Any) -> Any:
     """``value`` with every non-finite float as None (JSON has no inf or NaN) and tuples as lists."""
     if isinstance(value, float):
@@ -395,6 +404,7 @@ class SimClient:
 
     async def _stop_all(self) -> None:
         await asyncio.gather(*(t.stop() for t in self.tasks), return_exceptions=True)
+        await asyncio.gather(*(b.stop() for b in self.batchers), return_exceptions=True)
         if self.heartbeat is not None:
             self.heartbeat.cancel()
 
@@ -414,8 +424,7 @@ class SimClient:
         return {
             "reports": list(self.reports), "views": list(self.views), "seen": [list(s) for s in self.seen],
             "forwards": list(self.forwards),
-            "batched": {key: sum(getattr(b, key) for b in self.batchers)
-                        for key in ("received", "calls", "forwarded", "failures", "dropped")},
+            "batched": sum_counts(b.counters() for b in self.batchers),
             "lag": list(self.lag), "bad_views": self.bad_views, "stopped": stopped,
             "failures": sum(link.failures for link in self.links),
             "skipped": sum(link.skipped for link in self.links),
@@ -556,15 +565,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         reporter = None
         if args.per_node > 1:  # the shipped node reporter, on this node, sending to this actor
-            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+            from deployments.node_reporter import get_or_create_node_reporter
 
-            from deployments.node_reporter import NodeReporter, reporter_name
-
-            node_id = ray.get_runtime_context().get_node_id()
-            reporter = NodeReporter.options(  # type: ignore[attr-defined]
-                name=reporter_name(node_id), namespace=namespace,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-            ).remote(node_id, policy_actor=(name, namespace))
+            reporter = get_or_create_node_reporter(namespace, policy_actor=(name, namespace))
             ray.get(reporter.state.remote(), timeout=60)
 
         client_cls = ray.remote(num_cpus=0, concurrency_groups={"control": 1})(SimClient)
@@ -683,8 +686,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "forward_ms": summarize(forwards),
         "report_floor_ms": summarize(floor),
         "node_reporter": reporter_state,
-        "batched": {key: sum(o.get("batched", {}).get(key, 0) for o in outs)
-                    for key in ("received", "calls", "forwarded", "failures", "dropped")},
+        "batched": sum_counts(o.get("batched", {}) for o in outs),
         "refresh_ms": summarize(views),
         "override_call_ms": summarize(override_ms),
         "calls_per_s": {"report": round(len(reports) / window, 1),

@@ -63,17 +63,18 @@ def reporter_name(node_id: str) -> str:
     return f"{REPORTER_PREFIX}{node_id}"
 
 
-def get_or_create_node_reporter() -> Any:
-    """This node's reporter, creating it if no replica on the node has yet."""
+def get_or_create_node_reporter(namespace: str | None = None, policy_actor: tuple[str, str] | None = None) -> Any:
+    """This node's reporter, creating it if no replica on the node has yet. ``namespace`` and
+    ``policy_actor`` (`NodeReporter`): the scale benchmark's own; None: the app's."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from policies.actor import ACTOR_NAMESPACE
 
     node_id = ray.get_runtime_context().get_node_id()
     return NodeReporter.options(  # type: ignore[attr-defined]
-        name=reporter_name(node_id), namespace=ACTOR_NAMESPACE, lifetime="detached", get_if_exists=True,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-    ).remote(node_id)
+        name=reporter_name(node_id), namespace=namespace or ACTOR_NAMESPACE, lifetime="detached",
+        get_if_exists=True, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+    ).remote(node_id, policy_actor)
 
 
 def report_link() -> ActorLink:

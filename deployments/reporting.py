@@ -156,13 +156,18 @@ class PeriodicTask:
             await asyncio.sleep(pause)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001
-                pass
-            self._task = None
+        await _cancel_and_wait(self._task)
+        self._task = None
+
+
+async def _cancel_and_wait(task: asyncio.Task[Any] | None) -> None:
+    """Cancel ``task`` (if any) and wait until it has ended, whatever it raised."""
+    if task is not None:
+        task.cancel()
+        try:
+            await task
+        except (asyncio.CancelledError, Exception):  # noqa: BLE001
+            pass
 
 
 HEARTBEAT_S = 1.0  # an unchanged report is sent again after this long (well under stale_after_s)
@@ -259,10 +264,12 @@ class ReportBatcher:
         if self._sender is None or self._sender.done():
             self._sender = asyncio.get_running_loop().create_task(self._send(), name="report-batcher")
 
-    def state(self) -> dict[str, Any]:
+    def counters(self) -> dict[str, int]:
         return {"received": self.received, "urgent": self.urgent, "calls": self.calls,
-                "forwarded": self.forwarded, "failures": self.failures, "dropped": self.dropped,
-                "waiting": len(self._waiting), "link": self.link.state()}
+                "forwarded": self.forwarded, "failures": self.failures, "dropped": self.dropped}
+
+    def state(self) -> dict[str, Any]:
+        return {**self.counters(), "waiting": len(self._waiting), "link": self.link.state()}
 
     async def _send(self) -> None:
         while self._waiting:
@@ -298,13 +305,9 @@ class ReportBatcher:
                 self._escalate_at = answer["escalate_at"]
 
     async def stop(self) -> None:
-        if self._sender is not None:
-            self._sender.cancel()
-            try:
-                await self._sender
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001
-                pass
-            self._sender = None
+        """Stop sending (what is still waiting is not sent)."""
+        await _cancel_and_wait(self._sender)
+        self._sender = None
 
 
 def replica_source(default: str) -> str:
