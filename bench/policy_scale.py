@@ -36,9 +36,11 @@ drawn afresh per report, at a light load (no trigger of the default policy holds
 `deployments.reporting.ReportBatcher` sends the node's reports on with ``report_batch`` (routine
 reports at most once per ``BATCH_GAP_S``, one that may raise the level at once); sources stay per replica. The replicas are
 grouped N to a simulated node, each node with its own shipped `ReportBatcher` (timed as
-"forward"), fed in-process by its replicas' shipped `signal_reporter`s (`NodeHop`): on a cluster
-that hand-on is a local Ray call on each node's own CPU, which a thousand of on 2 cores would
-only measure the 2 cores. It is measured instead on a real `NodeReporter` actor in this cluster:
+"forward"), fed in-process by its replicas' shipped `signal_reporter`s (`NodeHop`), which one
+task per simulated node steps in turn every ``--report-s`` (`node_feeder`; with
+``--task-per-replica`` each has its own timer): on a cluster that hand-on is a local Ray call,
+and each replica's timer, on each node's own CPU, which a thousand of on 2 cores would only
+measure the 2 cores. It is measured instead on a real `NodeReporter` actor in this cluster:
 ``--local-real`` (8) of the replicas run in a client process of their own (as replicas are
 processes of their own) and report to it with real Ray calls; those calls are the "report"
 figure of a per-node run (the reporter sends them on to the same actor). For scale, before the
@@ -295,7 +297,7 @@ class SimClient:
     async def start(self, handle: Any, sources: Sequence[tuple[str, str]], readers: int, report_s: float,
                     refresh_s: float, per_node: int = 1, name: str = "c0", readers_per_node: int = 1,
                     watch: bool = False, reporter: Any = None, local_real: int = 0,
-                    batch_gap_s: float = BATCH_GAP_S) -> int:
+                    batch_gap_s: float = BATCH_GAP_S, task_per_replica: bool = False) -> int:
         import psutil
 
         from deployments.reporting import ActorLink, PeriodicTask, ReportBatcher, signal_reporter
@@ -348,12 +350,19 @@ class SimClient:
             batcher = ReportBatcher(link, min_gap_s=batch_gap_s)
             self.batchers.append(batcher)
             self.links.append(link)
+            node = []
             for src, kind in simulated[k:k + per_node]:
                 rng = random.Random(self.rng.random())
-                task = signal_reporter(NodeHop(batcher), src,  # type: ignore[arg-type]
-                                       lambda kind=kind, rng=rng: draw_signals(kind, rng, known), report_s)
-                self.tasks.append(task)
-                loop.call_later(self.rng.uniform(0, report_s), task.start)
+                node.append(signal_reporter(NodeHop(batcher), src,  # type: ignore[arg-type]
+                                            lambda kind=kind, rng=rng: draw_signals(kind, rng, known), report_s))
+            if task_per_replica:  # each replica's reporter a task of its own, as on its node
+                for task in node:
+                    self.tasks.append(task)
+                    loop.call_later(self.rng.uniform(0, report_s), task.start)
+            else:  # the node's replicas' reporters stepped in turn by one task (see `node_feeder`)
+                feeder = node_feeder(node, report_s)
+                self.tasks.append(feeder)
+                loop.call_later(self.rng.uniform(0, report_s), feeder.start)
         group = max(1, readers_per_node)
         for first in range(0, readers, group):
             # one poller per node of readers (alone: each ingress replica polls, as today); what
@@ -445,6 +454,22 @@ class NodeHop:
     async def call(self, method: str, source: str, signals: dict[str, float], stale: list[str] | None = None) -> bool:
         self.batcher.put(source, signals, stale or ())
         return True
+
+
+def node_feeder(reporters: Sequence[Any], interval_s: float) -> Any:
+    """One task stepping a simulated node's replicas' `signal_reporter`s in turn every
+    ``interval_s``: the same reports into the node's `ReportBatcher` (same signals, same
+    skip-if-unchanged rule), without a thousand timers on the benchmark's 2 cores. On a cluster
+    each replica's timer runs on its own node's CPU; here only what reaches the actor's
+    machine should be, so the node's reporters share one wake-up (``--task-per-replica``:
+    one task each, as before)."""
+    from deployments.reporting import PeriodicTask
+
+    async def step() -> None:
+        for reporter in reporters:
+            await reporter.run_once()
+
+    return PeriodicTask("node-feeder", step, interval_s)
 
 
 def _cpu_s(proc: Any) -> float:
@@ -593,7 +618,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         started = ray.get([
             c.start.remote(actor, shares[i], len(range(i, args.readers, args.clients)),
                            args.report_s, args.refresh_s, args.per_node, f"c{i}", args.readers_per_node,
-                           args.watch)
+                           args.watch, task_per_replica=args.task_per_replica)
             for i, c in enumerate(clients[:args.clients])] + ([
             clients[-1].start.remote(actor, probe, 0, args.report_s, args.refresh_s, args.per_node, "probe",
                                      watch=args.watch, reporter=reporter, local_real=real)] if probe else []),
@@ -800,6 +825,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--watch", action=argparse.BooleanOptionalAction, default=True,
                     help="readers follow the level by long-poll (the actor's watch), as the shipped ingress "
                          "does; --no-watch: they poll view every --refresh-s, as before")
+    ap.add_argument("--task-per-replica", action="store_true",
+                    help="with --per-node: each simulated replica's reporter a task of its own instead of "
+                         "one task per simulated node stepping them in turn")
     ap.add_argument("--report-s", type=float, default=0.25)
     ap.add_argument("--refresh-s", type=float, default=0.25)
     ap.add_argument("--tick-s", type=float, default=0.25)

@@ -155,6 +155,10 @@ class PeriodicTask:
                 pause = max(pause, self.failure_sleep_s)
             await asyncio.sleep(pause)
 
+    async def run_once(self) -> None:
+        """One step now, in the caller's task (not counted in ``runs``; failures raise)."""
+        await self._step()
+
     async def stop(self) -> None:
         await _cancel_and_wait(self._task)
         self._task = None

@@ -193,13 +193,16 @@ class FakeActor:
         return self.core.report(*args)
 
 
-@pytest.mark.parametrize("per_node, real, readers_per_node, pollers", [(1, 0, 1, 2), (4, 2, 2, 1)])
-def test_sim_client_sends_the_replicas_calls(per_node: int, real: int, readers_per_node: int, pollers: int) -> None:
+@pytest.mark.parametrize("per_node, real, readers_per_node, pollers, task_per_replica, tasks", [
+    (1, 0, 1, 2, False, 10), (4, 2, 2, 1, False, 4), (4, 2, 2, 1, True, 10)])
+def test_sim_client_sends_the_replicas_calls(per_node: int, real: int, readers_per_node: int, pollers: int,
+                                             task_per_replica: bool, tasks: int) -> None:
     """The client actor's code without Ray: 10 replicas and 2 readers for about 0.3 s. Alone, each
     replica reports to the actor; per node of 4, ``real`` of them report to the node reporter (here
     the fake actor itself, which keeps what it gets) and the rest hand on to simulated nodes'
-    `ReportBatcher`s, which send ``report_batch``. Every report is one the actor takes, every
-    replica stays its own source, readers see the level."""
+    `ReportBatcher`s, which send ``report_batch``; their reporters are stepped by one task per
+    simulated node (2 here) or each run as a task of its own. Every report is one the actor takes,
+    every replica stays its own source, readers see the level."""
     actor = FakeActor()
     sources = [(f"{kind}:sim-{i}", kind) for i, kind in enumerate(assign_kinds(10))]
 
@@ -207,8 +210,9 @@ def test_sim_client_sends_the_replicas_calls(per_node: int, real: int, readers_p
         client = SimClient(seed=1)
         started = await client.start(actor, sources, readers=2, report_s=0.05, refresh_s=0.05,
                                      per_node=per_node, readers_per_node=readers_per_node,
-                                     reporter=actor if real else None, local_real=real, batch_gap_s=0.05)
-        assert started == 10 + pollers
+                                     reporter=actor if real else None, local_real=real, batch_gap_s=0.05,
+                                     task_per_replica=task_per_replica)
+        assert started == tasks + pollers
         await asyncio.sleep(0.3)
         return await client.stop()
 
