@@ -108,7 +108,7 @@ WATCH_S = 5.0  # --watch: one long-poll waits at most this long, as the ingress'
 # Issue 14's targets: (key in the results, limit, what it says)
 TARGETS: tuple[tuple[str, float, str], ...] = (
     ("tick_p99_ms", 50.0, "policy tick p99 < 50 ms"),
-    ("report_p99_ms", 5.0, "report call p99 < 5 ms (caller side)"),
+    ("report_p99_ms", 5.0, "a report p99 < 5 ms (per node: the later of caller side and delivery)"),
     ("level_change_max_s", 1.0, "every reader sees a level change within 1 s"),
 )
 
@@ -123,6 +123,7 @@ REPLICA_KINDS: tuple[tuple[str, float, Mapping[str, tuple[float, float]]], ...] 
                       "refused_ratio": (0, 0), "p95_latency_ms": (400, 1200),
                       "avg_latency_ms": (200, 600)}),
 )
+REPORT_LINK_COUNTS = ("datagrams", "ray_calls", "fallbacks", "queue_full")  # NodeReportLink.state()
 INTEGER_SIGNALS = frozenset({"queue_length", "inflight", "model_queued"})
 TICK_METRIC = "ray_brownout_policy_tick_ms"
 
@@ -300,6 +301,7 @@ class SimClient:
                     batch_gap_s: float = BATCH_GAP_S, task_per_replica: bool = False) -> int:
         import psutil
 
+        from deployments.node_reporter import NodeReportLink
         from deployments.reporting import ActorLink, PeriodicTask, ReportBatcher, signal_reporter
         from policies.config import SIGNALS
         from policies.features import PolicyView
@@ -335,8 +337,9 @@ class SimClient:
                 loop.call_later(self.rng.uniform(0, report_s), task.start)
         real = sources[:local_real] if per_node > 1 and reporter is not None else []
         for source, kind in real:
-            # as shipped (`deployments.node_reporter.report_link`): a Ray call to the node's reporter
-            link = TimedLink(sink_r, reporter)
+            # as shipped (`deployments.node_reporter.report_link`): a datagram to the node's
+            # reporter, whose address one Ray call gave, timed as the replica sees it
+            link = TimedReportLink(NodeReportLink(lambda: reporter), sink_r)
             rng = random.Random(self.rng.random())
             task = signal_reporter(link, source, lambda kind=kind, rng=rng: draw_signals(kind, rng, known), report_s)
             self.links.append(link)
@@ -433,12 +436,38 @@ class SimClient:
         return {
             "reports": list(self.reports), "views": list(self.views), "seen": [list(s) for s in self.seen],
             "forwards": list(self.forwards),
+            "report_links": sum_counts({k: v for k, v in link.state().items() if k in REPORT_LINK_COUNTS}
+                                       for link in self.links if isinstance(link, TimedReportLink)),
             "batched": sum_counts(b.counters() for b in self.batchers),
             "lag": list(self.lag), "bad_views": self.bad_views, "stopped": stopped,
             "failures": sum(link.failures for link in self.links),
             "skipped": sum(link.skipped for link in self.links),
             "cpu_s": _cpu_s(psutil.Process()) - self.cpu0,
         }
+
+
+class TimedReportLink:
+    """A replica's shipped `NodeReportLink`, each report timed around as its caller sees it."""
+
+    def __init__(self, link: Any, sink: list[tuple[float, float]]) -> None:
+        self.link, self.sink = link, sink
+
+    @property
+    def failures(self) -> int:
+        return int(self.link.failures)
+
+    @property
+    def skipped(self) -> int:
+        return int(self.link.skipped)
+
+    def state(self) -> dict[str, Any]:
+        return dict(self.link.state())
+
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        result = await self.link.call(method, *args, **kwargs)
+        self.sink.append((time.time(), (time.perf_counter() - t0) * 1000.0))
+        return result
 
 
 class NodeHop:
@@ -657,6 +686,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         sampler.stop()
         outs = collect(clients)
         reporter_state = None if reporter is None else ray.get(reporter.state.remote(), timeout=30)
+        delivered = [] if reporter is None else ray.get(reporter.delivered_since.remote(w0), timeout=30)
         ray.get(actor.clear_override.remote(level=True))
     finally:
         noise.stop()
@@ -691,9 +721,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "missed": misses,
     }
     signals = state.get("signals", {})
+    delivery = [ms for t, ms in delivered if w0 <= t <= w1]
+    # per node: judged on the later of the two moments (the send returned, the report is in the
+    # reporter's batcher), each at its p99; alone: the call to the actor as its caller sees it
+    report_p99 = percentile(reports, 99) if reports else None
+    if reporter is not None:
+        report_p99 = None if not (reports and delivery) else max(report_p99, percentile(delivery, 99))
     results = {
         "tick_p99_ms": tick_summary["p99_le_ms"],
-        "report_p99_ms": percentile(reports, 99),
+        "report_p99_ms": report_p99,
         "level_change_max_s": level_change["max_s"],
     }
     doc = {
@@ -707,7 +743,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "tick_ms": tick_summary,
         "tick_ms_core_replay": replay,
         "report_ms": summarize(reports),
-        "report_to": "policy actor" if args.per_node == 1 else "node reporter (a local Ray call)",
+        "report_to": "policy actor" if args.per_node == 1 else "node reporter (a datagram to its socket)",
+        "report_delivery_ms": summarize(delivery),
+        "report_links": sum_counts(o.get("report_links", {}) for o in outs),
         "forward_ms": summarize(forwards),
         "report_floor_ms": summarize(floor),
         "node_reporter": reporter_state,
@@ -752,10 +790,15 @@ def print_report(doc: Mapping[str, Any]) -> None:
           f"p99 <= {t['p99_le_ms']} ms, over 50 ms: {t['over_50ms']}")
     print(f"  tick (replay)      p50 {doc['tick_ms_core_replay']['p50']} ms, p99 {doc['tick_ms_core_replay']['p99']} ms")
     print(f"  report (caller)    p50 {r['p50']} ms, p99 {r['p99']} ms, max {r['max']} ms ({r['n']} calls "
-          f"to the {doc.get('report_to', 'policy actor')})")
+          f"to the {doc.get('report_to', 'policy actor')}; {doc.get('report_links') or ''})")
+    d = doc.get("report_delivery_ms") or {}
+    if d.get("n"):
+        print(f"  report (delivery)  p50 {d['p50']} ms, p99 {d['p99']} ms, max {d['max']} ms ({d['n']} reports: "
+              f"sent until in the reporter's batcher)")
     fl = doc.get("report_floor_ms") or {}
     if fl.get("n"):
-        print(f"  report (idle)      p50 {fl['p50']} ms, p99 {fl['p99']} ms: the same call on the idle cluster")
+        print(f"  Ray call (idle)    p50 {fl['p50']} ms, p99 {fl['p99']} ms: one Ray call to the node reporter "
+              f"on the idle cluster, for scale")
     f = doc.get("forward_ms") or {}
     if f.get("n"):
         print(f"  forward (node)     report_batch p50 {f['p50']} ms, p99 {f['p99']} ms, max {f['max']} ms "

@@ -33,7 +33,7 @@ from typing import Any
 
 from deployments.engine import SAMPLING_KEYS, Delta, EngineError, EngineSettings, LLMEngine
 from deployments.gpu import GpuProbe
-from deployments.reporting import ActorLink, replica_source, signal_reporter
+from deployments.reporting import ReportLink, replica_source, signal_reporter
 from policies.admission import should_drop
 
 logger = logging.getLogger("ray.serve")
@@ -95,7 +95,7 @@ class VLLMModel:
         engine: LLMEngine | None = None,
         gpu_probe: GpuProbe | None = None,
         report_interval_s: float = 0.25,
-        reports: ActorLink | None = None,
+        reports: ReportLink | None = None,
     ) -> None:
         # validated once by the builder (an `EngineSettings` is kept as it is); a dict here
         self.settings = (engine_settings if isinstance(engine_settings, EngineSettings)

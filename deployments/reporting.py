@@ -12,7 +12,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 logger = logging.getLogger("ray.serve")
 
@@ -20,6 +20,18 @@ logger = logging.getLogger("ray.serve")
 class LinkBackoff(RuntimeError):
     """A call not sent: the policy actor failed recently (the link backs off), or too many
     calls to it are still pending."""
+
+
+class ReportLink(Protocol):
+    """What `signal_reporter` sends through: an `ActorLink`, or a replica's
+    `deployments.node_reporter.NodeReportLink` to its node's reporter."""
+
+    failures: int
+    skipped: int
+
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any: ...
+
+    def state(self) -> dict[str, Any]: ...
 
 
 class ActorLink:
@@ -63,6 +75,10 @@ class ActorLink:
             self._handle = self._resolve()
         return self._handle
 
+    def forget(self) -> None:
+        """Resolve the actor again before the next call (its caller learnt it is gone)."""
+        self._handle = None
+
     def state(self) -> dict[str, Any]:
         """For ``/admin/brownout``: failures, calls not sent, pending calls, the back-off now."""
         return {"failures": self.failures, "skipped": self.skipped, "pending": self.pending,
@@ -88,7 +104,7 @@ class ActorLink:
             timed_out = isinstance(err, (asyncio.TimeoutError, TimeoutError))
             if timed_out:
                 _cancel(ref)
-            gone = _actor_gone(err)
+            gone = actor_gone(err)
             if gone:
                 self._handle = None  # resolve again next time
             if timed_out or gone:
@@ -117,7 +133,8 @@ def _cancel(ref: Any) -> None:
         pass
 
 
-def _actor_gone(err: BaseException) -> bool:
+def actor_gone(err: BaseException) -> bool:
+    """Whether ``err`` says the actor behind a handle is gone (resolve it again), not that it failed."""
     name = type(err).__name__
     return name in ("ActorDiedError", "RayActorError", "ActorUnavailableError", "ValueError")
 
@@ -179,7 +196,7 @@ BATCH_GAP_S = 0.5  # a node's reporter sends routine reports at most once per th
 
 
 def signal_reporter(
-    link: ActorLink, source: str, collect: Callable[[], Mapping[str, float | None]], interval_s: float = 0.25,
+    link: ReportLink, source: str, collect: Callable[[], Mapping[str, float | None]], interval_s: float = 0.25,
     heartbeat_s: float = HEARTBEAT_S, clock: Callable[[], float] = time.monotonic,
 ) -> PeriodicTask:
     """A `PeriodicTask` sending ``collect()`` to the policy actor as ``source``.

@@ -68,7 +68,7 @@ from deployments.enrichments.registry import features as feature_impls
 from deployments.enrichments.registry import workers
 from deployments.enrichments.spool import DurableSpool
 from deployments.model import Completion, ModelError
-from deployments.reporting import ActorLink, PeriodicTask, replica_source, signal_reporter
+from deployments.reporting import ActorLink, PeriodicTask, ReportLink, replica_source, signal_reporter
 from deployments.window import SlidingWindow
 from policies.admission import CRITICALITY_HEADER, Criticality
 from policies.config import DegradationConfig, PolicyError, parse_policy
@@ -441,7 +441,7 @@ class Ingress:
         spool_dir: str | None = None,
         auth: AuthSettings | dict[str, Any] | None = None,
         policy_link: ActorLink | None = None,
-        reports: ActorLink | None = None,
+        reports: ReportLink | None = None,
         model_slots: int = 16,
     ) -> None:
         self.model = model

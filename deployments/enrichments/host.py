@@ -17,7 +17,7 @@ from typing import Any
 
 from deployments.enrichments.base import Enrichment, Outcome, run_calls
 from deployments.enrichments.registry import build
-from deployments.reporting import ActorLink, replica_source, signal_reporter
+from deployments.reporting import ReportLink, replica_source, signal_reporter
 from deployments.window import SlidingWindow
 
 
@@ -26,7 +26,7 @@ class EnrichmentHost:
         self,
         kinds: Mapping[str, Mapping[str, Any]],
         report_interval_s: float = 0.5,
-        reports: ActorLink | None = None,
+        reports: ReportLink | None = None,
     ) -> None:
         self.enrichments: dict[str, Enrichment] = {kind: build(kind, dict(s)) for kind, s in kinds.items()}
         self.by_feature: dict[str, Enrichment] = {

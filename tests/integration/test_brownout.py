@@ -401,9 +401,11 @@ def test_policy_actor_restart_keeps_config_and_pins(deployed: Cluster, http: htt
 
 
 def test_a_killed_node_reporter_is_replaced_and_every_replica_reports_again(deployed: Cluster) -> None:
-    """The replicas report through their node's reporter (`deployments.node_reporter`); killed, it
-    is not restarted by Ray, but the first report after its death finds it gone and creates it
-    again, so every replica's source is fresh again within a few seconds and nothing else moves."""
+    """The replicas report through their node's reporter (`deployments.node_reporter`), as
+    datagrams to its socket; killed, it is not restarted by Ray, but the first report after its
+    death finds no one at the address, creates it again and goes as a Ray call, the next ones to
+    the new socket, so every replica's source is fresh again within a few seconds and nothing
+    else moves."""
     import ray
 
     from deployments.node_reporter import reporter_name
@@ -414,6 +416,7 @@ def test_a_killed_node_reporter_is_replaced_and_every_replica_reports_again(depl
     old = ray.get_actor(name, namespace=ACTOR_NAMESPACE)
     before = ray.get(old.state.remote(), timeout=10)
     assert before["forwarded"] > 0 and before["calls"] > 0, before  # the replicas' reports went through it
+    assert before["socket"]["received"] > 0 and before["socket"]["refused"] == 0, before  # as datagrams
     start = ray.get(actor.get_state.remote(), timeout=10)
     fresh, level = start["signals"]["sources"], start["level"]
     ray.kill(old, no_restart=True)
@@ -425,7 +428,9 @@ def test_a_killed_node_reporter_is_replaced_and_every_replica_reports_again(depl
             state = ray.get(new.state.remote(), timeout=5)
         except Exception:  # noqa: BLE001 - not there yet
             return None
-        return state if state["forwarded"] > 0 else None
+        # forwarding, and the replicas found its new socket (the first report after the kill went
+        # as a Ray call, which created it; the next ones as datagrams to its address)
+        return state if state["forwarded"] > 0 and state["socket"].get("received", 0) > 0 else None
 
     state = None
     while state is None and time.monotonic() - killed < 30:

@@ -187,6 +187,8 @@ class FakeActor:
         self.report_batch = FakeMethod("report_batch", self.calls, lambda: {
             "kept": self.core.report_many(self.calls[-1][1][0]), "escalate_at": dict(self.core.escalation_floor())})
         self.view = FakeMethod("view", self.calls, lambda: self.core.view())
+        # as a node reporter without a socket: the real replicas' reports then come as Ray calls
+        self.address = FakeMethod("address", self.calls, None)
 
     def _last_report(self) -> bool:
         _, args = self.calls[-1]
