@@ -2,7 +2,7 @@
 the policy actor in batches (issue 14: reports batched per node).
 
 Every replica (model, enrichment host, ingress) sends its signals with `signal_reporter` to the
-`NodeReporter` of the node it runs on (`report_link`), a local call; the reporter's
+`NodeReporter` of the node it runs on (`report_link`), a datagram on the node (below); the reporter's
 `deployments.reporting.ReportBatcher` sends them on with ``report_batch``: routine reports at most
 once per 0.5 s per node, a report that may raise the level at once. At a thousand replicas on a
 hundred nodes the policy actor then answers at most two calls a second per node instead of four
