@@ -389,11 +389,23 @@ class DegradationConfig(_Strict):
     stale_after_s: float = Field(
         default=5.0, gt=0.0, description="a replica report older than this is ignored"
     )
+    forget_after_s: float | None = Field(
+        default=None,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="a replica silent this long is forgotten (a stale report until then); "
+        ">= stale_after_s; default 60 s, or stale_after_s where that is longer",
+    )
     flap_damping: FlapDampingConfig = Field(default_factory=FlapDampingConfig)
     slo: SloConfig | None = Field(default=None, description="latency objective; optional")
     admission: AdmissionConfig | None = Field(
         default=None, description="admission settings; needs an slo (defaults apply when absent)"
     )
+
+    @property
+    def forget_s(self) -> float:
+        """``forget_after_s`` in force: as set, else 60 s or ``stale_after_s`` where longer."""
+        return self.forget_after_s if self.forget_after_s is not None else max(60.0, self.stale_after_s)
 
     @field_validator("features")
     @classmethod
@@ -425,6 +437,11 @@ class DegradationConfig(_Strict):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> DegradationConfig:
+        if self.forget_after_s is not None and self.forget_after_s < self.stale_after_s:
+            raise ValueError(
+                f"forget_after_s: {self.forget_after_s:g} must be at least "
+                f"stale_after_s: {self.stale_after_s:g} (a report goes stale before it is forgotten)"
+            )
         if self.admission is not None and self.slo is None:
             raise ValueError("admission: needs an 'slo' section (e.g. slo: {e2e_p99_ms: 2000})")
         if self.slo is not None and self.admission is not None:

@@ -183,7 +183,6 @@ class PolicyCore:
         self,
         config: DegradationConfig,
         clock: Callable[[], float] = time.time,
-        forget_after_s: float = 60.0,
         history_size: int = 1000,
         persist: Callable[[bytes], None] | None = None,
         restore: Callable[[], bytes | None] | None = None,
@@ -192,8 +191,7 @@ class PolicyCore:
         self.clock = clock
         self.config = config
         self.state = ControllerState()
-        self.forget_after_s = forget_after_s
-        self.aggregator = Aggregator(config.stale_after_s, max(forget_after_s, config.stale_after_s))
+        self.aggregator = Aggregator(config.stale_after_s, config.forget_s)
         self.signals = Signals(at=clock())
         self.transitions: collections.deque[dict[str, Any]] = collections.deque(maxlen=history_size)
         self.report_errors = 0
@@ -275,7 +273,7 @@ class PolicyCore:
                 pin=None if pin is None else LevelPin(Level(pin["level"]), pin["expires_at"], pin.get("note", "")),
                 feature_overrides=overrides,
             )
-            self.aggregator = Aggregator(self.config.stale_after_s, max(self.forget_after_s, self.config.stale_after_s))
+            self.aggregator = Aggregator(self.config.stale_after_s, self.config.forget_s)
             logger.info("policy restored: level %d, pin %s, %d feature overrides",
                         self.state.level, pin, len(overrides))
         except Exception:  # noqa: BLE001 - a corrupt snapshot must not keep the actor down
@@ -474,7 +472,7 @@ class PolicyCore:
         self.config_version += 1
         self.config_origin = origin
         self.aggregator.stale_after_s = config.stale_after_s
-        self.aggregator.forget_after_s = max(self.forget_after_s, config.stale_after_s)
+        self.aggregator.forget_after_s = config.forget_s
         self._save()
         logger.warning(json.dumps({"event": "brownout_config_applied", "origin": origin,
                                    "config_version": self.config_version}))

@@ -99,6 +99,10 @@ def test_bare_document_without_wrapper() -> None:
         ({"level1": {"trigger": {"queue_length": -3}}},
          r"trigger\.queue_length: threshold must be a finite number >= 0, got -3"),
         ({"stale_after_s": 0}, r"stale_after_s.*greater than 0"),
+        ({"stale_after_s": 10, "forget_after_s": 5},
+         r"forget_after_s: 5 must be at least stale_after_s: 10"),
+        ({"forget_after_s": 0}, r"forget_after_s.*greater than 0"),
+        ({"forget_after_s": "a minute"}, r"forget_after_s.*'a minute'"),
         ({"degradation": {}, "extra": 1}, r"unknown top-level key\(s\).*'extra'"),
     ],
 )

@@ -47,6 +47,26 @@ def test_reports_drive_the_level_up_and_stepwise_down() -> None:
     assert c.get_state()["modes"] == {"audit_log": "defer"}
 
 
+def test_a_silent_source_is_stale_then_forgotten_after_forget_after_s() -> None:
+    """``forget_after_s`` from the config: the silent source stays (stale) until then, is gone
+    after; unset, it is 60 s (or ``stale_after_s`` where longer)."""
+    clock = FakeClock()
+    c = PolicyCore(parse_policy({**POLICY, "forget_after_s": 10}), clock=clock)
+    c.report("model:a", {"queue_length": 0})
+    c.report("ingress:a", {"inflight": 0})
+    for t in range(12):
+        clock.advance(1)
+        c.report("ingress:a", {"inflight": 0})
+        c.tick()
+        state = c.get_state()
+        if t + 1 < 10:
+            assert "model:a" in state["sources"], t
+        if t + 1 > 10:
+            assert "model:a" not in state["sources"] and state["sources"] == ["ingress:a"], t
+    assert parse_policy(POLICY).forget_s == 60.0
+    assert parse_policy({**POLICY, "stale_after_s": 90}).forget_s == 90.0
+
+
 def test_unknown_signal_is_counted_not_raised() -> None:
     c = core(FakeClock())
     assert c.report("x", {"queue_lenght": 3}) is False
