@@ -549,7 +549,7 @@ def _burst_escalates_and_recovers(deployed: Cluster, http: httpx.Client, actor: 
 
     def one() -> int:
         with deployed.client(timeout=120) as c:
-            return chat(c, max_tokens=96, ignore_eos=True).status_code
+            return chat(c, max_tokens=48, ignore_eos=True).status_code
 
     # The model replica's own stats call would queue behind the burst (its max_ongoing_requests
     # is full), so the queue is watched where the policy sees it: the model's reports, stamped on
