@@ -584,6 +584,33 @@ def test_sheddable_is_shut_out_while_the_classes_above_alone_fill_the_server(wit
     assert ctl.class_cap(D, 30.0 + 5 * 10.0) >= 1
 
 
+@pytest.mark.parametrize("rate, tau_s, sigmas, expected", [
+    (0.0, 10.0, 1.0, 0.0),
+    (0.5, 10.0, 1.0, 0.5 - math.sqrt(0.5 / 20.0)),  # a third of the estimate is noise
+    (100.0, 10.0, 1.0, 100.0 - math.sqrt(100.0 / 20.0)),  # at high rates, little of it
+    (0.5, 10.0, 0.0, 0.5),
+    (0.01, 10.0, 1.0, 0.0),  # never below zero
+])
+def test_rate_lower_bound(rate: float, tau_s: float, sigmas: float, expected: float) -> None:
+    from policies.admission import rate_lower_bound
+
+    assert rate_lower_bound(rate, tau_s, sigmas) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("over, shut", [(1.1, False), (1.2, False), (2.0, True), (3.0, True)])
+def test_a_shut_out_needs_demand_over_the_server_beyond_the_noise_of_its_estimate(over: float, shut: bool) -> None:
+    """At half a request a second (this machine's scale) the classes above arriving 10-20% faster
+    than the server completes is within one standard deviation of their estimate: the class
+    below keeps its floor; at twice the server it is shut out."""
+    ctl = controller(settings_=RESERVING.model_copy(update={"prior_rate_per_s": 0.5}))
+    rate = ctl.rate_per_s
+    assert rate == pytest.approx(0.5)
+    _offer(ctl, C, over * rate, 120.0)
+    assert ctl._arrivals[0].rate(120.0) >= rate  # the plain estimate is over the server in every case
+    assert (ctl.class_cap(S, 120.0) == 0) is shut
+    assert (ctl.class_cap(D, 120.0) == 0) is shut
+
+
 def test_shed_order_holds_with_reservation() -> None:
     ctl = controller(settings_=RESERVING)
     _offer(ctl, C, 1.0, 20.0)
