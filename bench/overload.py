@@ -36,7 +36,11 @@ cores is run again. ``--calibrate-only`` measures how well that repeats.
 Before each adaptive run the policy is brought back to level 0 as on a fresh deploy: once no
 trigger holds (the latency windows have emptied), a copy of the policy with zero dwell and
 cooldown is applied until level 0 holds, then the deployed policy is restored; the run itself
-uses the deployed policy unchanged.
+uses the deployed policy unchanged. Level 0 must hold for three time constants of the
+ingress's arrival-rate estimates (``admission.reserve_window_s``, 10 s: 30 s), so that what
+the previous run offered has decayed to 5% and the run starts from a quiet service, not with
+the previous run's demand still counted (a step run that began 9 s after a 3x run started at
+level 2).
 
 Writes ``bench/results/overload.json`` (``overload_quick.json`` with ``--quick``) and one figure
 next to it, and prints a table and the ratios the admission work is judged by.
@@ -338,7 +342,16 @@ def set_admission(base: str, policy_doc: dict[str, Any], enabled: bool) -> None:
         time.sleep(0.25)
 
 
-def reset_policy(base: str, policy_doc: dict[str, Any], timeout_s: float = 120) -> float:
+def quiet_s(policy_doc: dict[str, Any]) -> float:
+    """How long level 0 must hold before an adaptive run: three time constants of the arrival
+    rates admission measures (the policy's ``admission.reserve_window_s``, else its default)."""
+    from policies.config import AdmissionConfig
+
+    admission = (policy_doc.get("degradation") or {}).get("admission") or {}
+    return 3.0 * float(admission.get("reserve_window_s", AdmissionConfig().reserve_window_s))
+
+
+def reset_policy(base: str, policy_doc: dict[str, Any], timeout_s: float = 180) -> float:
     """Bring the adaptive policy back to level 0 (see the module docstring); returns seconds taken."""
     from policies.actor import get_policy_actor
 
@@ -355,13 +368,14 @@ def reset_policy(base: str, policy_doc: dict[str, Any], timeout_s: float = 120) 
     result = ray.get(actor.update_config.remote(fast))
     if not result.get("ok"):
         raise RuntimeError(f"fast-recovery policy rejected: {result}")
+    hold_s = max(3.0, quiet_s(policy_doc))
     try:
         calm_since = None
         while time.monotonic() - t0 < timeout_s:
             st = admin_state(base)
             if st.get("level") == 0 and st.get("pin") is None:
                 calm_since = calm_since or time.monotonic()
-                if time.monotonic() - calm_since >= 3.0:
+                if time.monotonic() - calm_since >= hold_s:
                     break
             else:
                 calm_since = None

@@ -603,3 +603,10 @@ def test_cpu_by_group_counts_new_processes_from_zero_and_per_request() -> None:
     assert out["replica:Ingress"]["cpu_ms_per_request"] == 200.0
     assert out["raylet"]["cpu_s"] == 1.0
     assert cpu_by_group(before, after, requests=0)["raylet"]["cpu_ms_per_request"] is None
+
+
+def test_an_adaptive_run_waits_three_arrival_rate_time_constants_at_level_0() -> None:
+    from bench.overload import quiet_s
+
+    assert quiet_s({"degradation": {"slo": {"e2e_p99_ms": 2000}}}) == 30.0  # the default 10 s
+    assert quiet_s({"degradation": {"admission": {"reserve_window_s": 4}}}) == 12.0
