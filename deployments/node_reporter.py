@@ -64,7 +64,7 @@ logger = logging.getLogger("ray.serve")
 REPORTER_PREFIX = "brownout-reporter-"
 MAX_DATAGRAM = 16384  # a report is a few hundred bytes; a larger datagram is refused
 DELIVERY_SAMPLES = 8192  # the reporter keeps this many latest delivery times for state()
-_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_UCRED = struct.Struct("iII")  # struct ucred: pid_t pid, uid_t uid, gid_t gid
 
 
 def sockets_supported() -> bool:
