@@ -57,7 +57,7 @@ from typing import Any
 
 import ray
 
-from deployments.reporting import ActorLink, LinkBackoff, ReportBatcher, actor_gone
+from deployments.reporting import ActorLink, LinkBackoff, ReportBatcher, ThrottledLog, actor_gone
 
 logger = logging.getLogger("ray.serve")
 
@@ -116,7 +116,7 @@ class ReportSocket:
         self.received = self.refused = self.malformed = 0
         self.delivery: deque[tuple[float, float]] = deque(maxlen=DELIVERY_SAMPLES)
         self._uid = os.getuid()
-        self._last_log = -math.inf
+        self._log = ThrottledLog(logger)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         try:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
@@ -145,7 +145,7 @@ class ReportSocket:
             except (BlockingIOError, InterruptedError):
                 return taken
             except OSError as err:  # the socket closed under us: nothing more to take
-                self._log("report socket receive failed: %r", err)
+                self._log.warning("report socket receive failed: %r", err)
                 return taken
             self.received += 1
             uid = next((_UCRED.unpack(d[:_UCRED.size])[1] for level, kind, d in ancdata
@@ -153,7 +153,7 @@ class ReportSocket:
                         and len(d) >= _UCRED.size), None)
             if uid != self._uid:
                 self.refused += 1
-                self._log("report datagram from uid %s refused (the reporter runs as %s)", uid, self._uid)
+                self._log.warning("report datagram from uid %s refused (the reporter runs as %s)", uid, self._uid)
                 continue
             try:
                 if len(data) > MAX_DATAGRAM:
@@ -161,7 +161,7 @@ class ReportSocket:
                 source, signals, stale, sent_at = decode_report(data)
             except ValueError as err:
                 self.malformed += 1
-                self._log("malformed report datagram dropped: %s", err)
+                self._log.warning("malformed report datagram dropped: %s", err)
                 continue
             self.take(source, signals, stale)
             now = self._clock()
@@ -171,12 +171,6 @@ class ReportSocket:
     def counters(self) -> dict[str, Any]:
         return {"address": self.address.replace("\0", "@"), "received": self.received, "refused": self.refused,
                 "malformed": self.malformed}
-
-    def _log(self, msg: str, *args: Any) -> None:
-        now = time.monotonic()
-        if now - self._last_log > 60:
-            self._last_log = now
-            logger.warning(msg, *args)
 
 
 @ray.remote(num_cpus=0, max_restarts=0, max_concurrency=1000)
@@ -273,8 +267,8 @@ class NodeReportLink:
     that went as Ray calls and why (``fallbacks``: no socket known yet or the reporter gone;
     ``queue_full``), and the address in use."""
 
-    def __init__(self, resolve: Callable[[], Any], link: ActorLink | None = None) -> None:
-        self.link = link if link is not None else ActorLink(resolve)
+    def __init__(self, resolve: Callable[[], Any]) -> None:
+        self.link = ActorLink(resolve)
         self._address: str | None = None
         self._ask = True  # ask the reporter for its address before the next report
         self._sock: socket.socket | None = None

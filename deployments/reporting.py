@@ -22,6 +22,21 @@ class LinkBackoff(RuntimeError):
     calls to it are still pending."""
 
 
+class ThrottledLog:
+    """Warnings at most once per ``every_s`` (60 s): a failure that repeats on every report is
+    counted where it happens and logged once a minute, not at the report rate."""
+
+    def __init__(self, log: logging.Logger, every_s: float = 60.0) -> None:
+        self.log, self.every_s = log, every_s
+        self._last = -math.inf
+
+    def warning(self, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self._last > self.every_s:
+            self._last = now
+            self.log.warning(msg, *args)
+
+
 class ReportLink(Protocol):
     """What `signal_reporter` sends through: an `ActorLink`, or a replica's
     `deployments.node_reporter.NodeReportLink` to its node's reporter."""
@@ -68,7 +83,7 @@ class ActorLink:
         self.pending = 0
         self.backoff_s = 0.0
         self._retry_at = 0.0
-        self._last_log = 0.0
+        self._log = ThrottledLog(logger)
 
     def handle(self) -> Any:
         if self._handle is None:
@@ -110,10 +125,7 @@ class ActorLink:
             if timed_out or gone:
                 self.backoff_s = min(self.max_backoff_s, max(self.min_backoff_s, 2 * self.backoff_s))
                 self._retry_at = self._clock() + self.backoff_s
-            now = time.monotonic()
-            if now - self._last_log > 60:
-                self._last_log = now
-                logger.warning("policy actor call %s failed (%d failures so far): %r", method, self.failures, err)
+            self._log.warning("policy actor call %s failed (%d failures so far): %r", method, self.failures, err)
             raise
         finally:
             self.pending -= 1
