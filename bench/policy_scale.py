@@ -313,22 +313,9 @@ class SimClient:
         self.heartbeat = loop.create_task(self._heartbeat())
         sink_r, sink_v, sink_f = self.reports, self.views, self.forwards
 
-        class TimedLink(ActorLink):
-            """The replicas' link, timed around each successful call as its caller sees it."""
-
-            def __init__(self, sink: list[tuple[float, float]], to: Any = None) -> None:
-                super().__init__(lambda: handle if to is None else to)
-                self.sink = sink
-
-            async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-                t0 = time.perf_counter()
-                result = await super().call(method, *args, **kwargs)
-                self.sink.append((time.time(), (time.perf_counter() - t0) * 1000.0))
-                return result
-
         if per_node <= 1:  # every replica reports itself to the actor (before the node reporters)
             for source, kind in sources:
-                link = TimedLink(sink_r)
+                link = TimedLink(ActorLink(lambda: handle), sink_r)
                 rng = random.Random(self.rng.random())
                 task = signal_reporter(link, source, lambda kind=kind, rng=rng: draw_signals(kind, rng, known),
                                        report_s)
@@ -339,7 +326,7 @@ class SimClient:
         for source, kind in real:
             # as shipped (`deployments.node_reporter.report_link`): a datagram to the node's
             # reporter, whose address one Ray call gave, timed as the replica sees it
-            link = TimedReportLink(NodeReportLink(lambda: reporter), sink_r)
+            link = TimedLink(NodeReportLink(lambda: reporter), sink_r)
             rng = random.Random(self.rng.random())
             task = signal_reporter(link, source, lambda kind=kind, rng=rng: draw_signals(kind, rng, known), report_s)
             self.links.append(link)
@@ -349,7 +336,7 @@ class SimClient:
         for k in range(0, len(simulated), per_node):
             # one simulated node: the shipped `ReportBatcher` (the node reporter's own), fed by its
             # replicas' shipped `signal_reporter`s in-process (`NodeHop`), sending `report_batch`
-            link = TimedLink(sink_f)
+            link = TimedLink(ActorLink(lambda: handle), sink_f)
             batcher = ReportBatcher(link, min_gap_s=batch_gap_s)
             self.batchers.append(batcher)
             self.links.append(link)
@@ -370,7 +357,7 @@ class SimClient:
         for first in range(0, readers, group):
             # one poller per node of readers (alone: each ingress replica polls, as today); what
             # it gets, every reader of its node has at once (a node-local hand-on, not simulated)
-            link = TimedLink(sink_v)
+            link = TimedLink(ActorLink(lambda: handle), sink_v)
             seens: list[list[tuple[float, int]]] = [[] for _ in range(min(group, readers - first))]
             self.seen.extend(seens)
 
@@ -437,7 +424,7 @@ class SimClient:
             "reports": list(self.reports), "views": list(self.views), "seen": [list(s) for s in self.seen],
             "forwards": list(self.forwards),
             "report_links": sum_counts({k: v for k, v in link.state().items() if k in REPORT_LINK_COUNTS}
-                                       for link in self.links if isinstance(link, TimedReportLink)),
+                                       for link in self.links),
             "batched": sum_counts(b.counters() for b in self.batchers),
             "lag": list(self.lag), "bad_views": self.bad_views, "stopped": stopped,
             "failures": sum(link.failures for link in self.links),
@@ -446,8 +433,9 @@ class SimClient:
         }
 
 
-class TimedReportLink:
-    """A replica's shipped `NodeReportLink`, each report timed around as its caller sees it."""
+class TimedLink:
+    """A shipped link (an `ActorLink`, or a replica's `NodeReportLink`), each successful call
+    timed around as its caller sees it, into ``sink`` as (wall time done, ms)."""
 
     def __init__(self, link: Any, sink: list[tuple[float, float]]) -> None:
         self.link, self.sink = link, sink
