@@ -554,6 +554,10 @@ async def _one(client: Any, url: str, body: dict[str, Any], headers: dict[str, s
         rec.done_s = clock()
 
 
+# what each poll keeps of the ingress's admission state (``/admin/brownout``'s ``ingress.admission``)
+ADMISSION_POLLED = ("in_flight", "class_cap", "reserved", "rate_per_s", "base_latency_s", "per_request_s")
+
+
 async def _poll_levels(client: Any, admin_url: str, clock: Callable[[], float], out: list[dict[str, Any]],
                        interval_s: float) -> None:
     """The effective level every ``interval_s`` from ``GET /admin/brownout``; stops at a 404
@@ -565,9 +569,12 @@ async def _poll_levels(client: Any, admin_url: str, clock: Callable[[], float], 
                 return
             if resp.status_code == 200:
                 state = resp.json()
+                adm = (state.get("ingress") or {}).get("admission") or {}
                 out.append({"t_s": round(clock(), 3), "level": state.get("level"),
                             "policy_level": state.get("policy_level"),
-                            "queue_length": (state.get("signals") or {}).get("values", {}).get("queue_length")})
+                            "queue_length": (state.get("signals") or {}).get("values", {}).get("queue_length"),
+                            # the door as the polled ingress replica saw it (absent without admission)
+                            **({"admission": {k: adm.get(k) for k in ADMISSION_POLLED}} if adm.get("enabled") else {})})
         except Exception:  # noqa: BLE001 - a missed poll is a gap in the timeline, nothing more
             pass
         await asyncio.sleep(interval_s)

@@ -222,6 +222,8 @@ def run_report(name: str, result: RunResult, slo_ms: float, window_s: float = 5.
         "classes": class_figures(classes),
         "windows": windows(result.records, slo_ms, span, window_s),
         "levels": [{"t_s": t, "level": lv} for t, lv in timeline],
+        # the door's caps and service model over the run, where the server has admission
+        "admission": [{"t_s": p["t_s"], **p["admission"]} for p in result.levels if p.get("admission")],
         "level_changes": level_changes(timeline),
         "load_steps_s": steps,
         # a step profile (up, then down): how soon the SLO held again after the load fell

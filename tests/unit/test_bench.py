@@ -417,7 +417,10 @@ def sse_handler(seen: list[httpx.Request]):  # type: ignore[no-untyped-def]
     def handle(request: httpx.Request) -> httpx.Response:
         seen.append(request)
         if request.url.path == "/admin/brownout":
-            return httpx.Response(200, json={"level": 1, "policy_level": 1, "signals": {"values": {"queue_length": 3}}})
+            return httpx.Response(200, json={"level": 1, "policy_level": 1, "signals": {"values": {"queue_length": 3}},
+                                             "ingress": {"admission": {"enabled": True, "in_flight": 2,
+                                                                       "class_cap": {"critical": 5}, "rate_per_s": 1.5,
+                                                                       "admitted": {"critical": 9}}}})
         body = json.loads(request.content)
         if body["messages"][0]["content"].startswith("x"):
             return httpx.Response(503, headers={"Retry-After": "1", "X-Brownout-Level": "1"},
@@ -438,6 +441,11 @@ def test_run_load_records_every_request_against_a_fake_server() -> None:
     chats = [r for r in seen if r.url.path == "/v1/chat/completions"]
     assert len(result.records) == len(chats) == len(schedule(constant(40.0, 0.5), random.Random(11)))
     assert result.levels and result.levels[0]["level"] == 1 and result.levels[0]["queue_length"] == 3
+    # the door's state rides along: the polled keys, absent ones as None, nothing else
+    assert result.levels[0]["admission"] == {"in_flight": 2, "class_cap": {"critical": 5}, "reserved": None,
+                                             "rate_per_s": 1.5, "base_latency_s": None, "per_request_s": None}
+    doc = rep.run_report("fake", result, 2000.0)
+    assert doc["admission"] and doc["admission"][0]["class_cap"] == {"critical": 5} and "t_s" in doc["admission"][0]
     for r, req in zip(result.records, chats, strict=True):
         body = json.loads(req.content)
         assert body["ignore_eos"] is True and body["stream"] is True and body["max_tokens"] == 4
