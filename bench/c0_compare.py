@@ -38,7 +38,6 @@ import argparse
 import copy
 import json
 import os
-import platform
 import shutil
 import signal
 import statistics
@@ -215,23 +214,6 @@ def table(results: Sequence[dict[str, Any]], summary: dict[str, Any]) -> str:
 
 def git(*args: str) -> str:
     return subprocess.run(["git", *args], cwd=ROOT, check=True, capture_output=True, text=True).stdout.strip()
-
-
-def machine() -> dict[str, Any]:
-    model, flags = None, set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and model is None:
-                model = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
-    return {"cpu_model": model, "cpus": os.cpu_count(), "avx2": "avx2" in flags,
-            "avx512f": "avx512f" in flags, "avx512_bf16": "avx512_bf16" in flags,
-            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-            "platform": platform.platform(), "python": platform.python_version()}
 
 
 def wait_app(dash_url: str, env: dict[str, str], cwd: Path, timeout_s: float = 600) -> None:
@@ -520,7 +502,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             # the measuring code (this script, bench/overload.py, bench/loadgen.py): the checkout's
             # commit and its uncommitted changes under bench/ when the run started
             "bench_code": bench_code,
-            "machine": machine(),
+            "machine": ov.machine(),
             "slo": {"p99_e2e_ms": args.slo_ms, "max_error_ratio": plan.slo.max_error_ratio,
                     "rule": "a probe passes with <= 1% errors and <= 1% of requests over the SLO end to end "
                             "(bench.loadgen.SloRule, as bench/overload.py); C0 is the highest passing rate"},

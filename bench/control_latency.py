@@ -49,7 +49,7 @@ if __package__ in (None, ""):  # run as a script: the repository importable, ben
 import httpx
 
 from bench import overload as ov
-from bench.c0_compare import machine
+from bench.overload import machine
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_S = 0.5

@@ -108,6 +108,25 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+def machine() -> dict[str, Any]:
+    """The CPU (model, vector extensions: bfloat16 is native only with avx512_bf16 or amx_bf16),
+    memory and platform: figures from different machines are not comparable."""
+    model, flags = None, set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model is None:
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    return {"cpu_model": model, "cpus": os.cpu_count(), "avx2": "avx2" in flags,
+            "avx512f": "avx512f" in flags, "avx512_bf16": "avx512_bf16" in flags, "amx_bf16": "amx_bf16" in flags,
+            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+            "platform": platform.platform(), "python": platform.python_version()}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -923,7 +942,7 @@ def meta(plan: Plan, args: argparse.Namespace, total_s: float, phases: dict[str,
     return {
         "command": "bench/overload.py " + " ".join(sys.argv[1:]),
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "machine": machine(),
         "slo": {"p99_e2e_ms": plan.slo.slo_ms, "max_error_ratio": plan.slo.max_error_ratio},
         "request": {"endpoint": "/v1/chat/completions", "stream": True, "max_tokens": plan.max_tokens,
                     "ignore_eos": True, "arrivals": "Poisson (open loop)",

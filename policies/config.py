@@ -341,9 +341,10 @@ class AdmissionConfig(_Strict):
     )
     reserve_quantile: float = Field(
         default=0.99, ge=0.0, lt=1.0, allow_inf_nan=False,
-        description="room kept for more critical classes: a class is admitted only while the "
-        "requests the classes above it will bring within one request's latency, at their measured "
-        "arrival rate, fit below critical's cap with this probability (0: no reservation)",
+        description="room kept for more critical classes: each class is held to the highest limit "
+        "at which it raises the share of refused requests of the classes above it by at most "
+        "1 - this (Erlang's loss model of their measured arrival rates and the service model; "
+        "0: no reservation)",
     )
     reserve_window_s: float = Field(
         default=10.0, gt=0.0, le=600.0, allow_inf_nan=False,

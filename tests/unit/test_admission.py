@@ -498,13 +498,79 @@ def test_update_with_a_new_explicit_prior_restarts_the_estimate() -> None:
 
 # -- room kept for more critical classes (trunk reservation) -------------------------------------
 
-@pytest.mark.parametrize("mean, q, expected", [
-    (0.0, 0.99, 0), (1.0, 0.0, 0), (1.0, 0.5, 1), (1.0, 0.99, 4), (0.36 * 3, 0.99, 4), (10.0, 0.99, 18),
-])
-def test_poisson_quantile(mean: float, q: float, expected: int) -> None:
-    from policies.admission import poisson_quantile
+def test_loss_chain_is_erlangs_loss_system_for_one_class_at_a_constant_latency() -> None:
+    from policies.admission import loss_chain, refused_share
 
-    assert poisson_quantile(mean, q) == expected
+    # a = rate * latency = 1, two slots: p proportional to 1, 1, 1/2; Erlang B(1, 2) = 0.2
+    p = loss_chain([1.0], [2], lambda n: 1.0)
+    assert p == pytest.approx([0.4, 0.4, 0.2])
+    assert refused_share(p, 2) == pytest.approx(0.2)
+    assert refused_share(p, 0) == pytest.approx(1.0)
+
+
+def test_loss_chain_admits_each_class_below_its_own_limit_and_slows_with_the_load() -> None:
+    from policies.admission import loss_chain
+
+    # below 1 both arrive (2/s), from 1 to 3 only the first (1/s); n in flight take 1 + (n - 1) s each
+    p = loss_chain([1.0, 1.0], [3, 1], lambda n: float(n))
+    # p[n+1] / p[n] = lambda(n) * L(n + 1) / (n + 1) = lambda(n): 2, then 1, 1
+    assert p == pytest.approx([x / 7.0 for x in (1.0, 2.0, 2.0, 2.0)])
+    # a long chain at a high load stays finite (rescaled as it goes)
+    big = loss_chain([1000.0], [400], lambda n: 1.0)
+    assert math.isfinite(sum(big)) and sum(big) == pytest.approx(1.0) and big[-1] > 0.5
+
+
+def _costs(rates: list[float], limits: list[int], latency) -> list[float]:  # type: ignore[no-untyped-def]
+    """What the last class's limit costs each class above it: its refused share with the last
+    class admitted below its limit, less without the last class."""
+    from policies.admission import loss_chain, refused_share
+
+    k = len(limits) - 1
+    with_it = loss_chain(rates[: k + 1], limits, latency)
+    without = loss_chain(rates[:k], limits[:k], latency)
+    return [refused_share(with_it, lim) - refused_share(without, lim) for lim in limits[:k]]
+
+
+LINE = staticmethod(lambda n: 1.3 + 0.5 * (n - 1))  # 2 cores: 1.3 s alone, 0.5 s per request more
+
+
+@pytest.mark.parametrize("name, rates, caps, expected", [
+    ("nothing arrives: every class its cap", [0.0, 0.0, 0.0], [6, 5, 4], (6, 5, 4)),
+    ("nothing above: the class below keeps its cap", [0.0, 2.0, 0.0], [6, 5, 4], (6, 5, 4)),
+    ("a class that does not arrive costs nothing", [0.3, 0.0, 0.0], [6, 5, 4], (6, 5, 4)),
+    ("1.5 x C0 on 2 cores: most of the caps kept", [0.156, 0.39, 0.234], [6, 5, 4], (6, 5, 3)),
+    ("3 x C0: standard keeps room for critical, sheddable only an idle server", [0.31, 0.78, 0.47], [6, 5, 4],
+     (6, 4, 1)),
+    ("critical near the server's rate: the floor of 1", [1.0, 1.0, 1.0], [6, 5, 4], (6, 1, 1)),
+    # past the server's rate the classes above are refused anyway and their share barely moves:
+    # the limit rises again; the shut-out rule (AdmissionController.class_cap) covers that regime
+    ("critical far over the server", [5.0, 1.0, 1.0], [6, 5, 4], (6, 4, 4)),
+    ("never above the class above's limit", [0.31, 0.78, 0.0], [6, 2, 6], (6, 2, 2)),
+])
+def test_reserved_limits(name: str, rates: list[float], caps: list[int], expected: tuple[int, ...]) -> None:
+    from policies.admission import reserved_limits
+
+    limits = reserved_limits(rates, caps, LINE, 0.01)
+    assert limits == expected, name
+    # the defining property: each limit costs the classes above at most the tolerance, and one
+    # more would cost more (where it could go higher: below its cap and the limit above it)
+    for k in range(1, len(limits)):
+        if limits[k] > 1:  # the floor of 1 may cost more (the shut-out rule's regime)
+            assert all(c <= 0.01 + 1e-12 for c in _costs(rates, list(limits[: k + 1]), LINE)), name
+        if 1 <= limits[k] < min(caps[k], limits[k - 1]):
+            assert max(_costs(rates, [*limits[:k], limits[k] + 1], LINE)) > 0.01, name
+
+
+def test_reserved_limits_fall_as_the_classes_above_arrive_faster() -> None:
+    from policies.admission import reserved_limits
+
+    # up to the server's rate (8 in flight complete at 8 / 4.8 s = 1.67/s)
+    seen = [reserved_limits([lam, 0.5, 0.3], [8, 8, 8], LINE, 0.01) for lam in (0.0, 0.1, 0.3, 0.6, 1.0, 1.3)]
+    assert [s[1] for s in seen] == [8, 8, 8, 6, 3, 2]
+    assert [s[2] for s in seen] == [8, 8, 5, 2, 1, 1]
+    # a looser tolerance keeps more for the class below
+    assert reserved_limits([0.3, 0.5, 0.3], [8, 8, 8], LINE, 0.05)[1] >= reserved_limits(
+        [0.3, 0.5, 0.3], [8, 8, 8], LINE, 0.01)[1]
 
 
 def test_arrival_rate_decays_with_its_time_constant() -> None:
@@ -532,29 +598,46 @@ def test_no_critical_traffic_reserves_nothing() -> None:
     ctl = controller(settings_=RESERVING)
     _offer(ctl, S, 5.0, 30.0)
     assert ctl.reserve(S, 30.0) == 0 and ctl.class_cap(S, 30.0) == 16  # the share's cap, as without it
-    assert ctl.reserve(D, 30.0) > 0  # standard's own demand is kept from sheddable
+    assert ctl.reserve(D, 30.0) == 0  # sheddable does not arrive: it costs standard nothing
+    _offer(ctl, D, 8.0, 30.0)  # now it does, and standard's own demand is kept from it
+    assert ctl.reserve(D, 30.0) > 0 and ctl.class_cap(D, 30.0) < 12
 
 
 def test_measured_critical_demand_keeps_room_below_critical_cap() -> None:
-    ctl = controller(settings_=RESERVING)
-    _offer(ctl, C, 2.0, 60.0)  # 2 critical/s; a request admitted at critical's cap takes 2.1 s
-    lam = ctl._arrivals[0].rate(60.0)
-    assert lam == pytest.approx(2.0, rel=0.1)
-    from policies.admission import poisson_quantile
+    from policies.admission import reserved_limits
 
-    expected = poisson_quantile(lam * 2.1, 0.99)
-    assert ctl.reserve(S, 60.0) == expected
-    assert ctl.class_cap(S, 60.0) == min(16, 20 - expected)
+    ctl = controller(settings_=RESERVING)
+    _offer(ctl, C, 8.0, 60.0)  # 8 critical/s, the server completes 10/s
+    _offer(ctl, S, 1.0, 60.0)
+    rates = [a.rate(60.0) for a in ctl._arrivals]
+    assert rates[0] == pytest.approx(8.0, rel=0.1)
+    limit = reserved_limits(rates, [20, 16, 12], ctl.model.latency_s, 0.01)[1]
+    assert ctl.class_cap(S, 60.0) == limit < 16 and ctl.reserve(S, 60.0) == 16 - limit
     # standard refused where its share alone would still admit it; critical admitted there
-    ahead = ctl.class_cap(S, 60.0)
-    assert ahead < 16
-    assert not ctl.decide(S, ahead, 60.0).admitted
-    assert ctl.decide(C, ahead, 60.0).admitted
+    assert not ctl.decide(S, limit, 60.0).admitted
+    assert ctl.decide(C, limit, 60.0).admitted
+
+
+def test_reserved_limits_are_recomputed_as_time_moves_not_on_every_decision() -> None:
+    from policies.admission import RESERVE_REFRESH_S
+
+    ctl = controller(settings_=RESERVING)
+    _offer(ctl, C, 8.0, 30.0)
+    _offer(ctl, S, 2.0, 30.0)
+    cap = ctl.class_cap(S, 30.0)
+    assert cap < 16
+    ctl._arrivals[0]._count = 0.0  # critical demand gone at once (not how rates move: a probe)
+    assert ctl.class_cap(S, 30.0 + RESERVE_REFRESH_S / 2) == cap  # within the refresh: as computed
+    assert ctl.class_cap(S, 30.0 + RESERVE_REFRESH_S) == 16  # then from the rates as they are
+    ctl._arrivals[0]._count = 100.0
+    ctl.set_level(1)  # a new service model recomputes at once
+    assert ctl.class_cap(S, 30.0 + RESERVE_REFRESH_S) < 16
 
 
 def test_reservation_fades_when_critical_demand_stops() -> None:
     ctl = controller(settings_=RESERVING)
-    _offer(ctl, C, 2.0, 30.0)
+    _offer(ctl, C, 6.0, 30.0)
+    _offer(ctl, S, 3.0, 30.0)
     assert ctl.class_cap(S, 30.0) < 16
     assert ctl.class_cap(S, 30.0 + 10 * 10.0) == 16  # ten time constants later
 
