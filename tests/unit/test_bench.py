@@ -546,6 +546,11 @@ def test_rel_diff_and_staged_probe_sizes() -> None:
     assert overload.probe_size(plan, 0.5, "coarse") == plan.coarse_n
     assert overload.probe_size(plan, 0.5, "fine") == plan.probe_n
     assert overload.probe_size(plan, 0.1, "fine") == plan.coarse_n  # 75 s hold fewer, but never below the prefix
+    # a fast server at a high rate: at least probe_s (15 s) and coarse_s (6 s) of arrivals, not a
+    # burst of 24 in under a second that the engine's batch absorbs whole
+    assert (plan.probe_s, plan.coarse_s) == (15.0, 6.0)
+    assert overload.probe_size(plan, 30.0, "fine") == 450 and overload.probe_size(plan, 30.0, "coarse") == 180
+    assert overload.probe_size(plan, 1.0, "coarse") == plan.coarse_n  # the prefix already lasts longer
     plan.probe_s = 100.0
     assert overload.probe_size(plan, 0.5, "fine") == 50
 
