@@ -349,7 +349,8 @@ class AdmissionConfig(_Strict):
     reserve_window_s: float = Field(
         default=10.0, gt=0.0, le=600.0, allow_inf_nan=False,
         description="time constant of each class's measured arrival rate (requests offered, "
-        "admitted or refused)",
+        "admitted or refused); a fifth of it is a second, fast estimate that room kept and shut-outs "
+        "also follow",
     )
     refusal_window_s: float = Field(
         default=5.0, gt=0.0, le=300.0, allow_inf_nan=False,

@@ -70,9 +70,9 @@ def test_decide_table(name: str, klass: Criticality, ahead: int, expected: tuple
 
 
 def test_predicted_wait_over_budget_refuses_and_within_admits() -> None:
-    ctl = controller()
     # admitted exactly while overhead + (ahead + 1) / rate fits the class's share of the budget
     for klass, share in ((C, 1.0), (S, 0.8), (D, 0.6)):
+        ctl = controller()  # each class alone: 40 decisions at one instant are a burst of its own demand
         for ahead in range(0, 40):
             fits = 0.1 + (ahead + 1) / 10 <= 0.1 + share * 2.0 + 1e-9
             assert ctl.decide(klass, ahead, 0.0).admitted == (fits or ahead == 0), (klass, ahead)
@@ -585,66 +585,89 @@ def test_arrival_rate_decays_with_its_time_constant() -> None:
     assert r.rate(39.0) == pytest.approx(at9 * math.exp(-3), rel=1e-9)
 
 
-def _offer(ctl: AdmissionController, klass: Criticality, rate: float, until: float) -> None:
-    """Critical (or any class) arrivals at ``rate`` per second from 0 to ``until``, each with
-    an idle server (so each is admitted and only its arrival counts)."""
-    t = 0.0
-    while t < until:
+def test_fast_estimate_sees_a_step_up_within_seconds_and_peak_falls_with_the_long_one() -> None:
+    from policies.admission import FAST_FRACTION, ArrivalRate
+
+    r = ArrivalRate(tau_s=10.0)
+    assert r.fast_tau_s == pytest.approx(10.0 * FAST_FRACTION) == 2.0
+    for i in range(20):  # 10/s for 2 s, from nothing
+        r.add(i / 10)
+    assert r.fast_rate(2.0) == pytest.approx(10.0 * (1 - math.exp(-1.0)), rel=0.1)  # 63% of it
+    assert r.rate(2.0) == pytest.approx(10.0 * (1 - math.exp(-0.2)), rel=0.1)  # 18% of it
+    assert r.peak(2.0) == r.fast_rate(2.0)
+    # once arrivals stop the fast one falls first; the peak keeps the long one
+    assert r.fast_rate(12.0) < r.rate(12.0) == r.peak(12.0)
+
+
+def test_a_step_up_in_the_demand_above_shuts_a_class_out_within_seconds() -> None:
+    ctl = controller(settings_=RESERVING)  # the server completes 10/s
+    _offer(ctl, {C: 1.0, S: 2.0}, 30.0)  # calm
+    assert ctl.class_cap(S, 30.0) >= 1
+    _offer(ctl, {C: 25.0, S: 2.0}, 32.0, start=30.0)  # critical steps to 2.5 x the server
+    # 2 s later the long estimate alone says about 5.5/s (under the server); the fast one shuts standard out
+    assert ctl._arrivals[0].rate(32.0) < ctl.rate_per_s
+    assert ctl.class_cap(S, 32.0) == 0 and ctl.class_cap(D, 32.0) == 0
+    assert ctl.decide(C, 0, 32.0).admitted
+
+
+def _offer(ctl: AdmissionController, rates: dict[Criticality, float], until: float, start: float = 0.0) -> None:
+    """Each class's arrivals at its rate per second from ``start`` to ``until``, merged in time
+    order (the fast estimates decay between them as on a real clock), each with an idle server
+    (so each is admitted and only its arrival counts)."""
+    times = sorted((start + i / rate, k) for k, rate in rates.items() for i in range(int((until - start) * rate)))
+    for t, klass in times:
         ctl.decide(klass, 0, t)
-        t += 1.0 / rate
 
 
 def test_no_critical_traffic_reserves_nothing() -> None:
     ctl = controller(settings_=RESERVING)
-    _offer(ctl, S, 5.0, 30.0)
+    _offer(ctl, {S: 5.0}, 30.0)
     assert ctl.reserve(S, 30.0) == 0 and ctl.class_cap(S, 30.0) == 16  # the share's cap, as without it
     assert ctl.reserve(D, 30.0) == 0  # sheddable does not arrive: it costs standard nothing
-    _offer(ctl, D, 8.0, 30.0)  # now it does, and standard's own demand is kept from it
-    assert ctl.reserve(D, 30.0) > 0 and ctl.class_cap(D, 30.0) < 12
+    _offer(ctl, {S: 5.0, D: 8.0}, 60.0, start=30.0)  # now it does, and standard's own demand is kept from it
+    assert ctl.reserve(D, 60.0) > 0 and ctl.class_cap(D, 60.0) < 12
 
 
 def test_measured_critical_demand_keeps_room_below_critical_cap() -> None:
     from policies.admission import reserved_limits
 
     ctl = controller(settings_=RESERVING)
-    _offer(ctl, C, 8.0, 60.0)  # 8 critical/s, the server completes 10/s
-    _offer(ctl, S, 1.0, 60.0)
-    rates = [a.rate(60.0) for a in ctl._arrivals]
-    assert rates[0] == pytest.approx(8.0, rel=0.1)
+    _offer(ctl, {C: 8.0, S: 3.0}, 60.0)  # 8 critical/s and 3 standard/s, the server completes 10/s
+    at = 60.5  # past the last computation's refresh
+    rates = [a.peak(at) for a in ctl._arrivals]  # the larger of the long and the fast estimate
+    assert rates[0] == pytest.approx(8.0, rel=0.2)
     limit = reserved_limits(rates, [20, 16, 12], ctl.model.latency_s, 0.01)[1]
-    assert ctl.class_cap(S, 60.0) == limit < 16 and ctl.reserve(S, 60.0) == 16 - limit
+    assert ctl.class_cap(S, at) == limit < 16 and ctl.reserve(S, at) == 16 - limit
     # standard refused where its share alone would still admit it; critical admitted there
-    assert not ctl.decide(S, limit, 60.0).admitted
-    assert ctl.decide(C, limit, 60.0).admitted
+    assert not ctl.decide(S, limit, at).admitted
+    assert ctl.decide(C, limit, at).admitted
 
 
 def test_reserved_limits_are_recomputed_as_time_moves_not_on_every_decision() -> None:
     from policies.admission import RESERVE_REFRESH_S
 
     ctl = controller(settings_=RESERVING)
-    _offer(ctl, C, 8.0, 30.0)
-    _offer(ctl, S, 2.0, 30.0)
+    _offer(ctl, {C: 8.0, S: 3.0}, 30.0)
     cap = ctl.class_cap(S, 30.0)
     assert cap < 16
-    ctl._arrivals[0]._count = 0.0  # critical demand gone at once (not how rates move: a probe)
+    ctl._arrivals[0]._count = ctl._arrivals[0]._fast = 0.0  # critical demand gone at once (a probe)
     assert ctl.class_cap(S, 30.0 + RESERVE_REFRESH_S / 2) == cap  # within the refresh: as computed
     assert ctl.class_cap(S, 30.0 + RESERVE_REFRESH_S) == 16  # then from the rates as they are
-    ctl._arrivals[0]._count = 100.0
+    ctl._arrivals[0]._count = ctl._arrivals[0]._fast = 100.0
     ctl.set_level(1)  # a new service model recomputes at once
     assert ctl.class_cap(S, 30.0 + RESERVE_REFRESH_S) < 16
 
 
 def test_reservation_fades_when_critical_demand_stops() -> None:
     ctl = controller(settings_=RESERVING)
-    _offer(ctl, C, 6.0, 30.0)
-    _offer(ctl, S, 3.0, 30.0)
+    _offer(ctl, {C: 8.0, S: 3.0}, 30.0)
     assert ctl.class_cap(S, 30.0) < 16
     assert ctl.class_cap(S, 30.0 + 10 * 10.0) == 16  # ten time constants later
 
 
 def test_critical_demand_that_fills_the_server_shuts_the_others_out() -> None:
     ctl = controller(settings_=RESERVING)
-    _offer(ctl, C, 20.0, 30.0)  # twice what the server completes
+    _offer(ctl, {C: 20.0}, 30.0)  # twice what the server completes
     assert ctl._arrivals[0].rate(30.0) >= ctl.rate_per_s
     assert ctl.class_cap(S, 30.0) == 0 and ctl.class_cap(D, 30.0) == 0
     refused = ctl.decide(S, 0, 30.0)  # even with nothing ahead: critical will take the slot
@@ -659,8 +682,7 @@ def test_sheddable_is_shut_out_while_the_classes_above_alone_fill_the_server(wit
     sheddable gets nothing, and standard still gets an idle server."""
     ctl = controller(settings_=RESERVING if with_reservation else SETTINGS)
     rate = ctl.rate_per_s
-    _offer(ctl, C, 0.3 * rate, 30.0)
-    _offer(ctl, S, 0.9 * rate, 30.0)  # together 1.2x the server
+    _offer(ctl, {C: 0.3 * rate, S: 0.9 * rate}, 30.0)  # together 1.2x the server
     assert ctl.class_cap(D, 30.0) == 0 and ctl.class_cap(S, 30.0) >= 1
     assert not ctl.decide(D, 0, 30.0).admitted and ctl.decide(S, 0, 30.0).admitted
     # once the classes above slow down (their rates decay), sheddable is admitted again
@@ -688,7 +710,7 @@ def test_a_shut_out_needs_demand_over_the_server_beyond_the_noise_of_its_estimat
     ctl = controller(settings_=RESERVING.model_copy(update={"prior_rate_per_s": 0.5}))
     rate = ctl.rate_per_s
     assert rate == pytest.approx(0.5)
-    _offer(ctl, C, over * rate, 120.0)
+    _offer(ctl, {C: over * rate}, 120.0)
     assert ctl._arrivals[0].rate(120.0) >= rate  # the plain estimate is over the server in every case
     assert (ctl.class_cap(S, 120.0) == 0) is shut
     assert (ctl.class_cap(D, 120.0) == 0) is shut
@@ -696,8 +718,7 @@ def test_a_shut_out_needs_demand_over_the_server_beyond_the_noise_of_its_estimat
 
 def test_shed_order_holds_with_reservation() -> None:
     ctl = controller(settings_=RESERVING)
-    _offer(ctl, C, 1.0, 20.0)
-    _offer(ctl, S, 3.0, 20.0)
+    _offer(ctl, {C: 1.0, S: 3.0}, 20.0)
     caps = [ctl.class_cap(k, 20.0) for k in (C, S, D)]
     assert caps[0] >= caps[1] >= caps[2] >= 1
 
