@@ -63,14 +63,7 @@ The rule, and why:
   at low load it measures demand, not capacity, and with the few, bursty completions of LLM
   requests (a batch finishes together) its windows are noise, which an estimate that low load
   may only raise turns into drift upwards; admission then lets through work that cannot finish
-  in time. The line is convex on a batching engine (extra requests are nearly free at low
-  concurrency, not near a full batch), and the slope matters where admission binds, near the
-  caps: a window that says the server is slower moves the slope by ``rate_alpha``, one that says
-  it is faster by as much as it carries information there (``alpha * mean(x**2) /
-  binding_x**2``, ``binding_x`` critical's cap less one), so a long calm does not teach the caps
-  a slope that only holds at low load (measured at 3 x C0 from a quiet start on an AMX Xeon:
-  level 0's caps at 22 where the last overload had shown 15, the first 5 s at p99 2.7 s over a
-  2 s SLO). Cold start uses ``prior_rate_per_s`` (``1 / rate`` per request, moved by windows
+  in time. Cold start uses ``prior_rate_per_s`` (``1 / rate`` per request, moved by windows
   like a measurement) or, without one, `default_prior` (alone half the SLO; a full batch in
   the other half), a guess that the first completion measuring it replaces.
 - **Each level has its own model** (`AdmissionController.set_level`). Optional work takes the
@@ -264,7 +257,7 @@ class ServiceModel:
 
     ALONE_BELOW = 1.5  # mean sharing below this: the request ran about alone
 
-    __slots__ = ("base_s", "per_request_s", "window_s", "alpha", "binding_x", "_measured", "_opened_at", "_sums")
+    __slots__ = ("base_s", "per_request_s", "window_s", "alpha", "_measured", "_opened_at", "_sums")
 
     def __init__(self, base_s: float, per_request_s: float, window_s: float = 1.0, alpha: float = 0.3,
                  trusted: bool = False) -> None:
@@ -279,11 +272,7 @@ class ServiceModel:
         self.alpha = alpha
         self._measured = [trusted, trusted]  # base_s, per_request_s: past their prior
         self._opened_at: float | None = None
-        # where admission binds (`AdmissionController`: critical's cap less one): a window of points
-        # at sharings x that lowers the slope moves it by alpha * min(1, mean(x ** 2) / binding_x ** 2)
-        # (None: by alpha); one that raises it, by alpha
-        self.binding_x: float | None = None
-        self._sums = [0.0] * 6  # base: sum, count; slope: sum of x * y, of x * x, of x, count
+        self._sums = [0.0, 0.0, 0.0, 0.0]  # base: sum, count; slope: sum of x * y, of x * x
 
     @classmethod
     def from_rate(cls, rate_per_s: float, window_s: float = 1.0, alpha: float = 0.3) -> ServiceModel:
@@ -305,7 +294,6 @@ class ServiceModel:
     def copy(self) -> ServiceModel:
         other = ServiceModel(self.base_s, self.per_request_s, self.window_s, self.alpha)
         other._measured = list(self._measured)
-        other.binding_x = self.binding_x
         return other
 
     def observe(self, now: float, latency_s: float, service_s: float) -> bool:
@@ -322,35 +310,24 @@ class ServiceModel:
             x = m - 1.0
             self._sums[2] += x * (latency_s - self.base_s)
             self._sums[3] += x * x
-            self._sums[4] += x
-            self._sums[5] += 1
         if self._opened_at is None or now < self._opened_at:  # the first one, or the clock went back
             self._opened_at = now
         # a built-in guess gives way to the first completion that measures it; then windows
         if now - self._opened_at < self.window_s and self._measured[0 if alone else 1]:
             return False
-        base_sum, base_n, xy, xx, sx, n = self._sums
+        base_sum, base_n, xy, xx = self._sums
         if base_n:
             self.base_s = self._fold(0, self.base_s, max(1e-3, base_sum / base_n))
         if xx > 0:
-            # A window that says the server is slower than thought moves the slope by alpha: the
-            # caps admit too much now. One that says it is faster moves it by as much of alpha as
-            # the window carries information where admission binds (a slope's information grows
-            # with x squared: a window of pairs, x = 1, where the caps are at 11, x = 10, carries a
-            # hundredth), so a long calm does not teach the caps a slope that only holds at low load.
-            sample = max(1e-3, xy / xx)
-            weight = 1.0
-            if self.binding_x and sample < self.per_request_s:
-                weight = min(1.0, xx / n / self.binding_x**2)
-            self.per_request_s = self._fold(1, self.per_request_s, sample, weight)
-        self._opened_at, self._sums = None, [0.0] * 6
+            self.per_request_s = self._fold(1, self.per_request_s, max(1e-3, xy / xx))
+        self._opened_at, self._sums = None, [0.0, 0.0, 0.0, 0.0]
         return True
 
-    def _fold(self, i: int, old: float, sample: float, weight: float = 1.0) -> float:
+    def _fold(self, i: int, old: float, sample: float) -> float:
         if not self._measured[i]:
             self._measured[i] = True
             return sample
-        return old + self.alpha * weight * (sample - old)
+        return old + self.alpha * (sample - old)
 
 
 # A class is shut out only while the classes above it arrive faster than the server completes
@@ -749,8 +726,6 @@ class AdmissionController:
             max(1, math.floor((share * self.budget_s - base) / per + 1e-9) + 1) for share in self._shares
         )
         self._limits: tuple[float | None, tuple[int, ...] | None] = (None, None)  # `_reserved`'s cache
-        # the slope is learned where admission binds: a window at low load barely moves it
-        self.model.binding_x = float(max(1, self._caps[0] - 1))
 
     # -- what the ingress reads --------------------------------------------------------------
 

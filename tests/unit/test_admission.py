@@ -236,13 +236,8 @@ def test_measured_model_moves_the_caps_both_ways() -> None:
     # the estimate approaches 0.25 from one side), standard 4, sheddable 2
     assert [ctl.max_admitted(k) for k in (C, S, D)] in ([7, 5, 3], [6, 5, 3])
     assert ctl.rate_per_s == pytest.approx(4.0, rel=0.02)
-    end = served_at(ctl, 6, base=0.5, per=0.05, seconds=20, t0=100.0)  # a faster model: caps grow
-    grown = ctl.max_admitted(C)
-    assert grown >= 15
-    # the further the caps are from the load that measures them, the less each window moves
-    # the slope (binding_x); load near the caps measures the rest
-    served_at(ctl, 25, base=0.5, per=0.05, seconds=20, t0=end)
-    assert ctl.max_admitted(C) >= 30 > grown
+    served_at(ctl, 6, base=0.5, per=0.05, seconds=20, t0=100.0)  # a faster model: caps grow
+    assert ctl.max_admitted(C) >= 30
 
 
 def test_the_slope_is_least_squares_so_barely_shared_requests_weigh_little() -> None:
@@ -253,37 +248,6 @@ def test_the_slope_is_least_squares_so_barely_shared_requests_weigh_little() -> 
     # sum(x * y) / sum(x * x) = (2 * 3 * 1.8 + 0.5 * 1.2) / (2 * 9 + 0.25) = 0.625; a mean of
     # the ratios would say (0.6 + 0.6 + 2.4) / 3 = 1.2
     assert model.per_request_s == pytest.approx(11.4 / 18.25)
-
-
-def test_a_window_moves_the_slope_in_proportion_to_how_near_the_caps_it_was_measured() -> None:
-    model = ServiceModel(0.5, 0.2, window_s=1.0, alpha=0.5, trusted=True)
-    model.binding_x = 10.0  # critical's cap is 11 requests in flight
-    far = model.copy()
-    assert far.binding_x == 10.0
-    # a window of requests each shared with 2 (x = 1) on a flatter line: a hundredth of alpha
-    far.observe(0.0, 0.5 + 0.05, 0.55 / 2)
-    far.observe(1.0, 0.5 + 0.05, 0.55 / 2)
-    assert far.per_request_s == pytest.approx(0.2 + 0.005 * (0.05 - 0.2))
-    # the same line measured at the caps (x = 10): alpha itself
-    near = model.copy()
-    near.observe(0.0, 0.5 + 0.5, 1.0 / 11)
-    near.observe(1.0, 0.5 + 0.5, 1.0 / 11)
-    assert near.per_request_s == pytest.approx(0.2 + 0.5 * (0.05 - 0.2))
-
-
-def test_an_overload_after_a_long_calm_meets_the_slope_of_the_last_overload() -> None:
-    """The latency line is convex on a batching engine (extra requests nearly free at low
-    concurrency, not near the batch): a slope fitted at low load and applied at the caps admits
-    an onset of overload that cannot finish in time (measured at 3 x C0 from a quiet start on an
-    AMX Xeon: level 0's caps 22 where the load showed 15, the first 5 s at p99 2.7 s > the 2 s SLO)."""
-    ctl = controller()
-    end = served_at(ctl, 1, base=0.5, per=0.125, seconds=30)  # alone: the unloaded latency
-    end = served_at(ctl, 12, base=0.5, per=0.125, seconds=30, t0=end)  # loaded: caps 13, measured there
-    loaded = ctl.max_admitted(C)
-    assert loaded in (12, 13)
-    for t in range(120):  # two minutes of pairs, nearly free (x = 1: 0.52 s, a request a second)
-        ctl.observe_completion(end + t, 0.52, 0.26)
-    assert ctl.max_admitted(C) <= loaded + 2
 
 
 def test_light_load_does_not_hide_the_capacity_at_full_load() -> None:
