@@ -194,13 +194,21 @@ class PeriodicTask:
 
 
 async def _cancel_and_wait(task: asyncio.Task[Any] | None) -> None:
-    """Cancel ``task`` (if any) and wait until it has ended, whatever it raised."""
-    if task is not None:
+    """Cancel ``task`` (if any) and wait until it has ended, whatever it raised.
+
+    The cancel is repeated while the task runs on: Python 3.11's `asyncio.wait_for` swallows a
+    cancellation that lands while the future it waits on has completed but not yet woken it
+    (it returns the result instead), and a loop that called it would then never end; awaiting
+    the task once would wait forever (seen: `PeriodicTask.stop` hung with a link whose call had
+    just answered).
+    """
+    if task is None:
+        return
+    while not task.done():
         task.cancel()
-        try:
-            await task
-        except (asyncio.CancelledError, Exception):  # noqa: BLE001
-            pass
+        await asyncio.wait({task}, timeout=0.05)
+    if not task.cancelled():
+        task.exception()  # retrieved, so whatever it raised is not reported as never retrieved
 
 
 HEARTBEAT_S = 1.0  # an unchanged report is sent again after this long (well under stale_after_s)

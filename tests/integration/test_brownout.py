@@ -453,7 +453,8 @@ def _policy_applied(actor: Any, gpu_util: float, timeout_s: float = 20) -> dict[
     deadline = time.monotonic() + timeout_s
     while True:
         doc = ray.get(actor.get_config.remote(), timeout=5)
-        if doc["config"]["level1"]["trigger"]["gpu_util"] == gpu_util or time.monotonic() > deadline:
+        # .get: until the deploy applies, the policy in force may have no gpu_util trigger at all
+        if doc["config"]["level1"]["trigger"].get("gpu_util") == gpu_util or time.monotonic() > deadline:
             return doc
         time.sleep(0.25)
 

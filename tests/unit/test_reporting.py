@@ -178,6 +178,36 @@ def test_periodic_task_counts_failures_and_keeps_running() -> None:
     assert task.failures == 2 and task.runs >= 3
 
 
+def test_stop_ends_a_task_whose_cancel_wait_for_swallowed() -> None:
+    """Python 3.11's `asyncio.wait_for` returns the result instead of raising when the cancel lands
+    while the future it waits on has completed but not yet woken it; the loop then runs on. The
+    stop repeats the cancel until the task has ended (it used to await it once: forever)."""
+
+    async def step() -> int:  # as a link whose call has just answered
+        answered = asyncio.get_running_loop().create_future()
+        answered.set_result(1)
+        return await asyncio.wait_for(answered, 5)
+
+    async def run() -> tuple[bool, bool]:
+        task = PeriodicTask("t", step, 0.01)
+        task.start()
+        await asyncio.sleep(0)  # into wait_for, its wake-up queued behind the cancel below
+        running = task._task
+        assert running is not None
+        stopping = asyncio.get_running_loop().create_task(task.stop())
+        await asyncio.sleep(0)  # the first cancel lands now, and is swallowed
+        done, _ = await asyncio.wait({stopping}, timeout=2.0)  # before the fix: never done
+        ended = running.done()
+        if not ended:  # clean up what the old stop left running
+            while not running.done():
+                running.cancel()
+                await asyncio.sleep(0.01)
+        return stopping in done, ended
+
+    stopped, ended = asyncio.run(run())
+    assert stopped and ended
+
+
 def test_signal_reporter_sends_floats_and_failed_reads_as_stale() -> None:
     actor = FakeActor()
     link = ActorLink(lambda: actor)
