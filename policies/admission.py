@@ -37,8 +37,9 @@ The rule, and why:
   measured demand and service, not from a worst case: with no critical traffic nothing is
   reserved, and where the server is far from full a class below keeps most of its cap. (It
   replaced a reserve of the 99th percentile of the arrivals of the classes above within the
-  latency at critical's cap, which at 1.5 x C0 on 2 cores held standard and sheddable to one
-  request in flight and refused 23% of all requests while the served p99 was 0.69 x SLO.)
+  latency at critical's cap, which at 1.5 x C0 on a 2-core EPYC refused 23% of all requests
+  while the served p99 was 0.69 x SLO; with that run's rates and a fitted line, this model puts
+  the old rule's standard and sheddable limits at one request in flight.)
   And while the classes above a class alone arrive at least as fast as the server completes
   requests (their ``lam``, less one standard deviation of its estimate, ``>= rate_per_s``:
   `rate_lower_bound`, on the long estimate or the fast one), that class is shut out, even from an idle server: they will take every
