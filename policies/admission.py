@@ -121,8 +121,8 @@ from __future__ import annotations
 import collections
 import enum
 import math
-from dataclasses import dataclass
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 from policies.config import CRITICALITIES, AdmissionConfig, DegradationConfig, SloConfig
@@ -681,9 +681,8 @@ class AdmissionController:
         larger of that bound on the long estimate and on the fast one (`ArrivalRate.fast_rate`,
         noisier and so discounted more), so a step up shuts a class out within seconds."""
         above = self._arrivals[:rank]
-        tau = self.settings.reserve_window_s
-        slow = rate_lower_bound(sum(a.rate(now) for a in above), tau, SHUT_OUT_SIGMAS)
-        fast = rate_lower_bound(sum(a.fast_rate(now) for a in above), FAST_FRACTION * tau, SHUT_OUT_SIGMAS)
+        slow = rate_lower_bound(sum(a.rate(now) for a in above), above[0].tau_s, SHUT_OUT_SIGMAS)
+        fast = rate_lower_bound(sum(a.fast_rate(now) for a in above), above[0].fast_tau_s, SHUT_OUT_SIGMAS)
         return max(slow, fast)
 
     def class_cap(self, criticality: Criticality, now: float) -> int:
