@@ -46,6 +46,15 @@ The rule, and why:
   slot. Without this, where caps are small, standard and sheddable both
   sit at the floor of one request under overload and are shed alike, not in order (measured at
   3x C0 on 2 cores: sheddable 66.7% shed, standard 69.4%).
+- **Waiting work of a lower class gives way (preemption).** Room is kept from measured rates,
+  so it lags a step up: at the onset of an overload from idle the door fills with whatever
+  arrives first, before any rate says how much room critical work needs (measured at 0 -> 3x C0
+  with 20% critical: every critical refusal of the run fell in its first 5 s). A request the door
+  refuses may instead take the place of admitted requests of less important classes that the
+  model has not started yet (no token computed, no header sent), the fewest that make room for
+  it (`decide`'s ``preemptible``). Those are refused then, 429 ``preempted``, with the same
+  computed ``Retry-After``; what runs is never aborted, and a class never displaces its own or a
+  more important one. ``admission.preempt_waiting: false`` switches it off.
 - **Refusals are honest.** A refused class that critical work could still pass gets 429
   ``class_share_exhausted``; when even critical is refused the service is ``saturated``: 503.
   ``Retry-After`` is the predicted time for the backlog to drain to where this class is admitted
@@ -180,13 +189,18 @@ def should_drop(deadline_at: float | None, now: float, min_service_s: float = 0.
     return deadline_at is not None and now + min_service_s > deadline_at
 
 
-Reason = Literal["admitted", "class_share_exhausted", "saturated"]
-STATUS: dict[Reason, int] = {"admitted": 200, "class_share_exhausted": 429, "saturated": 503}
+Reason = Literal["admitted", "class_share_exhausted", "saturated", "preempted"]
+STATUS: dict[Reason, int] = {"admitted": 200, "class_share_exhausted": 429, "saturated": 503, "preempted": 429}
 
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """One admission decision. ``status``: 200 admitted, 429 class share exhausted, 503 saturated."""
+    """One admission decision. ``status``: 200 admitted, 429 class share exhausted, 503 saturated.
+
+    ``preempt``: when admitted, how many admitted requests of less important classes that the
+    model has not started yet must give this one their place (`AdmissionController.decide`);
+    the caller refuses them (429 ``preempted``). 0 when the door had room.
+    """
 
     admitted: bool
     criticality: Criticality
@@ -196,6 +210,7 @@ class Decision:
     max_admitted: int  # this class's concurrency cap at the time of the decision
     retry_after_s: int | None = None  # integer seconds >= 1 when refused
     deadline_at: float | None = None  # when admitted: past it the answer misses the SLO
+    preempt: int = 0  # admitted in the place of this many waiting requests of lower classes
 
 
 class ShareClock:
@@ -637,23 +652,35 @@ class AdmissionController:
 
     # -- the hot path ------------------------------------------------------------------------
 
-    def decide(self, criticality: Criticality, ahead: int, now: float) -> Decision:
+    def decide(self, criticality: Criticality, ahead: int, now: float, preemptible: int = 0) -> Decision:
         """Admit or refuse one request with ``ahead`` (>= 0) requests admitted and unfinished.
 
         ``ahead``: what this replica admitted that has not finished yet (counting from admission
         is conservative: a request still in its pre stages will reach the model soon).
+        ``preemptible``: how many of them belong to less important classes and have not been
+        started by the model yet. Where the door is full for this class but would not be without
+        them, it is admitted in the place of the fewest that make room (``Decision.preempt``;
+        ``admission.preempt_waiting``): the work that can still be had back goes to the more
+        important request, which is what keeps critical work whole at the onset of an overload,
+        when the door fills before the classes' arrival rates are measured to keep room by.
         """
         rank = _RANK[criticality]
         self._arrivals[rank].add(now)
         cap = self.class_cap(criticality, now)
-        predicted = self.predicted_e2e_s(ahead)
         if ahead < cap:
             self._refusals.add(now, refused=False)
-            return Decision(True, criticality, "admitted", 200, predicted, cap,
+            return Decision(True, criticality, "admitted", 200, self.predicted_e2e_s(ahead), cap,
                             deadline_at=now + self.e2e_s)
+        preempt = ahead - cap + 1
+        if self.settings.preempt_waiting and 0 < preempt <= min(preemptible, ahead):
+            self._refusals.add(now, refused=False)
+            for _ in range(preempt):  # each displaced request is a refusal for capacity
+                self._refusals.add(now, refused=True)
+            return Decision(True, criticality, "admitted", 200, self.predicted_e2e_s(cap - 1), cap,
+                            deadline_at=now + self.e2e_s, preempt=preempt)
         self._refusals.add(now, refused=True)
         reason: Reason = "saturated" if ahead >= self._caps[0] else "class_share_exhausted"
-        return Decision(False, criticality, reason, STATUS[reason], predicted, cap,
+        return Decision(False, criticality, reason, STATUS[reason], self.predicted_e2e_s(ahead), cap,
                         retry_after_s=self._retry_after(ahead, cap))
 
     def reserve(self, criticality: Criticality, now: float) -> int:

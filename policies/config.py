@@ -362,6 +362,11 @@ class AdmissionConfig(_Strict):
         description="time constant over which the predicted_wait_ms signal averages the requests "
         "in flight (0: the instant count): levels follow sustained load, the door every request",
     )
+    preempt_waiting: bool = Field(
+        default=True,
+        description="a request the door would refuse takes the place of admitted requests of less "
+        "important classes that the model has not started yet (they get 429 preempted)",
+    )
     min_retry_after_s: int = Field(default=1, ge=1, le=3600)
     max_retry_after_s: int = Field(default=30, ge=1, le=3600)
 

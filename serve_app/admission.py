@@ -13,7 +13,9 @@ admitted or refused before any enrichment or model work:
 
 - 429 ``class_share_exhausted``: this class's share of the latency budget is used up, more
   important work still gets in;
-- 503 ``saturated``: even critical work would miss the SLO.
+- 503 ``saturated``: even critical work would miss the SLO;
+- 429 ``preempted``, after admission: a more important request found the door full and took the
+  place of this one, which the model had not started yet (`waiting`, `preempted_error`).
 
 Both carry OpenAI's error JSON, a ``Retry-After`` computed from the predicted drain time of the
 backlog, and ``X-Brownout-Criticality``; each is counted by class and reason. An admitted request
@@ -27,12 +29,13 @@ Plain logic, no Ray: the clock and the refusal hook are constructor arguments.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from policies.admission import (
     CRITICALITY_HEADER,
@@ -48,9 +51,10 @@ from serve_app.openai_api import RequestError
 __all__ = ["AdmissionGate", "Ticket"]
 
 _KIND = {429: "rate_limit_error", 503: "service_unavailable"}
+T = TypeVar("T")
 
 
-@dataclass
+@dataclass(eq=False)
 class Ticket:
     """One admitted request, until `AdmissionGate.release`."""
 
@@ -60,6 +64,7 @@ class Ticket:
     ahead: int = 0  # requests admitted and unfinished when this one was admitted
     share_mark: float = 0.0  # the gate's ShareClock at admission: its own service time starts here
     released: bool = False
+    preempted: bool = False  # a more important request took its place before the model started it
 
     @property
     def priority(self) -> int:
@@ -90,6 +95,8 @@ class AdmissionGate:
         self.replicas = (1, 1)  # model and ingress replicas serving (`set_replicas`)
         self.admitted: Counter[str] = Counter()
         self.refused: Counter[tuple[str, str]] = Counter()
+        # admitted requests the model has not started, each with the hook that stops its wait
+        self._waiting: dict[Ticket, Callable[[], None]] = {}
 
     def configure(self, policy: DegradationConfig) -> None:
         """Apply a (re)loaded policy; a measured service rate is kept across reloads."""
@@ -114,13 +121,77 @@ class AdmissionGate:
             raise RequestError(400, str(err), CRITICALITY_HEADER) from None
         deadline_at, now, ahead = None, self._clock(), self.in_flight
         if self.controller is not None and self.enabled:
-            decision = self.controller.decide(criticality, ahead, now)
+            below = [t for t in self._waiting if t.criticality.rank > criticality.rank]
+            decision = self.controller.decide(criticality, ahead, now, preemptible=len(below))
             if not decision.admitted:
                 raise self._refusal(decision)
+            if decision.preempt:
+                # the least important first, and within a class the one that waited least
+                below.sort(key=lambda t: (t.criticality.rank, t.admitted_at), reverse=True)
+                for victim in below[:decision.preempt]:
+                    self._preempt(victim)
+                ahead = self.in_flight
             deadline_at = decision.deadline_at
         self.in_flight += 1
         self.admitted[criticality.value] += 1
         return Ticket(criticality, deadline_at, now, ahead, self.share.mark(now, self.in_flight))
+
+    def waiting(self, ticket: Ticket, stop: Callable[[], None]) -> None:
+        """``ticket``'s request waits for the model to start it (its pre stages, the model's first
+        event): until `started`, a more important request that finds the door full may take its
+        place. ``stop`` ends that wait (the ingress cancels it and answers `preempted_error`)."""
+        if not ticket.released and ticket.criticality.rank > 0:
+            self._waiting[ticket] = stop
+
+    async def until_started(self, ticket: Ticket, awaitable: Awaitable[T], call: Any = None) -> T:
+        """Await one step of a request's wait for the model: its pre stages, or the model's first
+        event (the model deployment's `Started`: vLLM has computed its first token). Meanwhile
+        a more important request that finds the door full may take its place (`waiting`): this
+        wait is then cancelled, and the model ``call`` with it (``call.cancel()``: vLLM aborts
+        the request), and `preempted_error` is raised: 429 with a computed Retry-After. No
+        header has been sent yet, so the client gets an honest refusal, not a broken stream.
+        A whole (non-streamed) response gives way only during its pre stages: past them the
+        ingress cannot tell whether the model has started it. Critical requests give way to
+        none, and nothing gives way while admission is off."""
+        if ticket.criticality.rank == 0 or not self.enabled or ticket.released:
+            return await awaitable
+        task = asyncio.ensure_future(awaitable)
+        self.waiting(ticket, task.cancel)
+        try:
+            result = await task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if not ticket.preempted or (current is not None and current.cancelling()):
+                raise  # the client went away (or the replica stops): not a preemption
+        finally:
+            self.started(ticket)
+        if ticket.preempted:  # also where the cancel came too late to stop the step
+            if call is not None:
+                call.cancel()
+            raise self.preempted_error(ticket)
+        return result
+
+    def started(self, ticket: Ticket) -> None:
+        """The model started ``ticket``'s request (or it no longer waits): it keeps its place."""
+        self._waiting.pop(ticket, None)
+
+    def _preempt(self, victim: Ticket) -> None:
+        stop = self._waiting.pop(victim)
+        victim.preempted = True
+        klass = victim.criticality.value
+        self.refused[(klass, "preempted")] += 1
+        self._on_refusal(victim.criticality, "preempted")
+        self.release(victim, served=False)
+        stop()
+
+    def preempted_error(self, ticket: Ticket) -> RequestError:
+        """The refusal of a request whose place a more important one took (`waiting`)."""
+        klass, retry = ticket.criticality.value, self.drain_s()
+        message = (f"{klass} request preempted before the model started it: a more important request "
+                   f"needed its place to stay within its latency objective. Retry after {retry} s.")
+        return RequestError(429, message, None, kind=_KIND[429], headers={
+            "Retry-After": str(retry), "X-Brownout-Criticality": klass,
+        })
 
     def release(self, ticket: Ticket, served: bool) -> None:
         """The request is over. ``served``: the model computed its answer to the end (only
@@ -128,6 +199,7 @@ class AdmissionGate:
         if ticket.released:
             return
         ticket.released = True
+        self._waiting.pop(ticket, None)
         self.in_flight -= 1
         now = self._clock()
         mark = self.share.mark(now, self.in_flight)
@@ -182,6 +254,7 @@ class AdmissionGate:
         return {
             "enabled": self.enabled,
             "in_flight": self.in_flight,
+            "waiting": len(self._waiting),  # admitted, not started by the model, a lower class's to take
             "default_class": self.default_class.value,
             "rate_per_s": None if ctl is None else round(ctl.rate_per_s, 3),
             "base_latency_s": None if ctl is None else round(ctl.model.base_s, 3),

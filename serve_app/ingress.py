@@ -736,7 +736,7 @@ class Ingress:
         response, at the end of the stream for a streamed one (`_sse`), which then also calls
         ``on_stream_end`` (idempotent) however the stream ends.
         """
-        await self.pipeline.pre(ctx)
+        await self.gate.until_started(ticket, self.pipeline.pre(ctx))
         rid = new_id("chatcmpl" if chat else "cmpl")
         if ctx.answer is not None:  # a pre stage answered: the model is not called
             prompt_tokens, completion_tokens = ctx.answer_usage
@@ -747,7 +747,7 @@ class Ingress:
         elif stream:
             self.pipeline.handle_calls[MODEL] += 1
             gen = self.model.options(stream=True).generate_stream.remote(self._model_request(ctx, ticket))
-            await self._model_call(gen.__anext__())
+            await self.gate.until_started(ticket, self._model_call(gen.__anext__()), gen)
         else:
             gen = None
             self.pipeline.handle_calls[MODEL] += 1
@@ -920,8 +920,9 @@ class Ingress:
         except RequestError as err:
             if ticket is not None:
                 self.gate.release(ticket, served=False)
-            if ctx is not None:  # audited once, with its outcome (refused at the door, or failed after it)
-                self.pipeline.abandon(ctx, "failed" if ticket is not None else "refused", err.status)
+            if ctx is not None:  # audited once, with its outcome (refused at the door or preempted, or failed)
+                refused = ticket is None or ticket.preempted
+                self.pipeline.abandon(ctx, "refused" if refused else "failed", err.status)
             return err.response({LEVEL_HEADER: str(int(self.view.level))})
         except Exception as err:  # noqa: BLE001 - infrastructure (503) or our bug (500): JSON either way
             if ticket is not None:

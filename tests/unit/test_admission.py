@@ -763,3 +763,49 @@ def test_the_first_report_and_a_repeated_instant_take_the_count_as_it_is() -> No
     ctl = controller(settings_=SETTINGS.model_copy(update={"wait_smoothing_s": 4.0}), slots=8)
     assert ctl.signals(4, 10.0)["predicted_wait_ms"] == pytest.approx(4 * 105.0)
     assert ctl.signals(0, 10.0)["predicted_wait_ms"] == pytest.approx(4 * 105.0)  # no time passed: unchanged
+
+
+# -- preemption of waiting work of lower classes (caps: critical 20, standard 16, sheddable 12) --
+
+@pytest.mark.parametrize(
+    "name, klass, ahead, preemptible, expected",
+    [
+        ("room at the door: nothing is preempted", C, 5, 3, (True, 0)),
+        ("critical at the full door takes the place of one waiting request below it", C, 20, 1, (True, 1)),
+        ("two over the cap: the fewest that make room, two", C, 21, 5, (True, 2)),
+        ("nothing waiting below it: refused", C, 20, 0, (False, 0)),
+        ("too few waiting below it to make room: refused, nobody is preempted", C, 22, 2, (False, 0)),
+        ("standard at its share's cap takes a waiting sheddable request's place", S, 16, 1, (True, 1)),
+        ("standard past the whole budget: still only the fewest", S, 20, 5, (True, 5)),
+    ],
+)
+def test_preemption_table(name: str, klass: Criticality, ahead: int, preemptible: int, expected: tuple) -> None:
+    d = controller().decide(klass, ahead, now=100.0, preemptible=preemptible)
+    assert (d.admitted, d.preempt) == expected, name
+    if d.preempt:  # admitted at the cap once the displaced requests are gone: within the budget
+        assert d.predicted_e2e_s == pytest.approx(0.1 + d.max_admitted / 10)
+        assert d.predicted_e2e_s <= 2.1 and d.deadline_at == pytest.approx(102.1)
+    if not d.admitted:
+        assert d.status in (429, 503) and d.retry_after_s >= 1
+
+
+def test_preemption_can_be_switched_off() -> None:
+    ctl = controller(settings_=SETTINGS.model_copy(update={"preempt_waiting": False}))
+    d = ctl.decide(C, 20, now=1.0, preemptible=5)
+    assert (d.admitted, d.reason, d.preempt) == (False, "saturated", 0)
+
+
+def test_a_shut_out_class_preempts_nobody() -> None:
+    ctl = controller(settings_=RESERVING)  # the server completes 10/s
+    _offer(ctl, {C: 25.0}, 10.0)  # critical alone arrives at 2.5 x the server: standard is shut out
+    assert ctl.class_cap(S, 10.0) == 0
+    for ahead in (1, 4):  # even with every request ahead of it waiting and below it
+        d = ctl.decide(S, ahead, 10.0, preemptible=ahead)
+        assert not d.admitted and d.preempt == 0
+
+
+def test_each_displaced_request_counts_as_a_refusal_for_the_level() -> None:
+    ctl = controller()
+    assert ctl.decide(C, 21, now=1.0, preemptible=2).preempt == 2
+    # one admission, two refusals: the demand is past what this level serves
+    assert ctl.signals(20, 1.0)["refused_ratio"] == pytest.approx(2 / 20)

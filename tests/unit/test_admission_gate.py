@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from policies.admission import Criticality
@@ -136,3 +138,117 @@ def test_reload_keeps_the_gate_and_can_turn_admission_off() -> None:
     assert all(t.deadline_at is None for t in tickets) and g.signals()["predicted_wait_ms"] > 0
     g.configure(parse_policy({"level1": LEVEL}))  # no slo at all: no controller
     assert g.controller is None and g.signals() == {}
+
+
+# -- preemption: a more important request takes the place of waiting work below it ----------
+
+def test_a_critical_request_at_the_full_door_takes_the_place_of_the_least_important_waiting_one() -> None:
+    refusals: list = []
+    clock = FakeClock()
+    g = AdmissionGate(max_num_seqs=16, clock=clock, on_refusal=lambda c, r: refusals.append((c, r)))
+    g.configure(parse_policy(SLO_POLICY))  # critical cap 19
+    stopped: list[str] = []
+    lower = {}
+    for name, klass in [("old sheddable", "sheddable"), ("young sheddable", "sheddable"), ("standard", "standard")]:
+        clock.advance(0.1)
+        lower[name] = g.admit(klass)
+        g.waiting(lower[name], lambda name=name: stopped.append(name))
+    running = g.admit("sheddable")  # admitted, but the model has started it: it keeps its place
+    fill(g, 15)
+    assert g.in_flight == 19 and g.state()["waiting"] == 3
+    critical = g.admit(None, base=Criticality.CRITICAL)
+    victim = lower["young sheddable"]  # the least important class, and the one that waited least
+    assert stopped == ["young sheddable"] and victim.preempted and victim.released
+    assert not running.preempted and critical.ahead == 18 and g.in_flight == 19
+    assert g.refused == {("sheddable", "preempted"): 1} and refusals == [(Criticality.SHEDDABLE, "preempted")]
+    err = g.preempted_error(victim)
+    assert err.status == 429 and err.kind == "rate_limit_error" and err.param is None
+    assert err.headers["X-Brownout-Criticality"] == "sheddable" and int(err.headers["Retry-After"]) >= 1
+    assert "preempted before the model started it" in err.message
+    g.release(victim, served=False)  # the victim's own handler releases it again: a no-op
+    assert g.in_flight == 19
+    # next: the old sheddable one, then standard; a started request is never a victim
+    g.admit(None, base=Criticality.CRITICAL)
+    g.started(lower["standard"])
+    with pytest.raises(RequestError) as full:
+        g.admit(None, base=Criticality.CRITICAL)
+    assert full.value.status == 503 and stopped == ["young sheddable", "old sheddable"]
+    assert not lower["standard"].preempted and g.in_flight == 19
+
+
+def test_a_class_displaces_only_classes_below_it_and_critical_waits_for_nobody() -> None:
+    g = gate()  # caps: critical 19, standard 15, sheddable 11
+    stopped: list[str] = []
+    tickets = fill(g, 14)
+    for t in tickets:
+        g.waiting(t, lambda: stopped.append("critical"))  # critical never gives way
+    standard = g.admit("standard")
+    g.waiting(standard, lambda: stopped.append("standard"))
+    assert g.state()["waiting"] == 1 and g.in_flight == 15
+    with pytest.raises(RequestError) as own:  # standard at its cap: no class below it waits
+        g.admit("standard")
+    assert own.value.status == 429 and stopped == []
+    with pytest.raises(RequestError):  # sheddable below its own: nothing below it at all
+        g.admit("sheddable")
+    assert stopped == [] and not standard.preempted
+
+
+def test_preemption_switched_off_refuses_as_before() -> None:
+    g = gate({**SLO_POLICY, "admission": {**SLO_POLICY["admission"], "preempt_waiting": False}})
+    waiting = g.admit("sheddable")
+    g.waiting(waiting, lambda: pytest.fail("preempted with preempt_waiting: false"))
+    fill(g, 18)
+    with pytest.raises(RequestError) as err:
+        g.admit(None, base=Criticality.CRITICAL)
+    assert err.value.status == 503 and not waiting.preempted
+
+
+def test_until_started_refuses_the_preempted_request_and_cancels_its_model_call() -> None:
+    async def scenario() -> None:
+        g = gate()
+        victim = g.admit("sheddable")
+        fill(g, 18)
+        calls: list[str] = []
+
+        class Call:  # the model call's handle (a DeploymentResponseGenerator's cancel)
+            def cancel(self) -> None:
+                calls.append("cancelled")
+
+        waits = asyncio.ensure_future(g.until_started(victim, asyncio.sleep(30), Call()))
+        await asyncio.sleep(0)  # it waits for the model now
+        assert g.state()["waiting"] == 1
+        g.admit(None, base=Criticality.CRITICAL)  # the door is full: it takes the victim's place
+        with pytest.raises(RequestError) as err:
+            await asyncio.wait_for(waits, 5)
+        assert err.value.status == 429 and "preempted" in err.value.message
+        assert calls == ["cancelled"] and g.state()["waiting"] == 0 and g.in_flight == 19
+
+    asyncio.run(scenario())
+
+
+def test_until_started_passes_results_and_client_cancels_through() -> None:
+    async def scenario() -> None:
+        g = gate()
+        t = g.admit("standard")
+        assert await g.until_started(t, asyncio.sleep(0, result="first event")) == "first event"
+        assert g.state()["waiting"] == 0  # started: it keeps its place from now on
+        with pytest.raises(ValueError):  # the step's own failure is the caller's to map
+            await g.until_started(t, _raise(ValueError("model said no")))
+        # the client goes away while it waits: a cancellation, not a preemption
+        waits = asyncio.ensure_future(g.until_started(t, asyncio.sleep(30)))
+        await asyncio.sleep(0)
+        waits.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waits
+        assert not t.preempted and g.state()["waiting"] == 0 and g.in_flight == 1
+        # critical requests and a gate with admission off never register a wait
+        c = g.admit(None, base=Criticality.CRITICAL)
+        assert await g.until_started(c, asyncio.sleep(0, result=1)) == 1
+        g.configure(parse_policy({**SLO_POLICY, "admission": {"enabled": False}}))
+        assert await g.until_started(g.admit("sheddable"), asyncio.sleep(0, result=2)) == 2
+
+    asyncio.run(scenario())
+
+
+async def _raise(err: Exception) -> None:
+    raise err
