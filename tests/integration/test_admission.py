@@ -29,18 +29,20 @@ def admission_state(http: httpx.Client) -> dict[str, Any]:
     return admin(http, "GET", "/admin/brownout")["ingress"]["admission"]
 
 
-@pytest.fixture
-def slo_policy(deployed: Cluster, http: httpx.Client) -> Iterator[None]:
+def deploy_admission(deployed: Cluster, http: httpx.Client, admission: dict[str, Any],
+                     caps: dict[str, int]) -> Iterator[None]:
+    """Deploy the SLO policy with these admission settings, level 0 pinned, until ``caps`` are
+    in force; restore the shipped policy after."""
     config = deployed.config()
     doc = ingress_deployment(config)["user_config"]["policy"]["degradation"]
     doc["slo"] = {"e2e_p99_ms": 2000, "default_class": "critical"}
-    doc["admission"] = {"prior_rate_per_s": 4, "rate_window_s": 60, "overhead_ms": 100}
+    doc["admission"] = admission
     assert deployed.serve_deploy(config, "admission.yaml").returncode == 0
     # Level 0 pinned: the refusals these tests provoke raise the level (refused_ratio), and a
     # raised level shapes max_tokens and serves faster, so held requests would finish early.
     pin(http, 0, ttl_s=300)
     deadline = time.monotonic() + 30
-    while admission_state(http)["max_admitted"] != CAPS:
+    while admission_state(http)["max_admitted"] != caps:
         assert time.monotonic() < deadline, admission_state(http)
         time.sleep(0.25)
     try:
@@ -54,13 +56,20 @@ def slo_policy(deployed: Cluster, http: httpx.Client) -> Iterator[None]:
             time.sleep(0.25)
 
 
-def post(cluster: Cluster, criticality: str | None, max_tokens: int, key: str | None = None) -> httpx.Response:
+@pytest.fixture
+def slo_policy(deployed: Cluster, http: httpx.Client) -> Iterator[None]:
+    yield from deploy_admission(deployed, http, {"prior_rate_per_s": 4, "rate_window_s": 60, "overhead_ms": 100},
+                                CAPS)
+
+
+def post(cluster: Cluster, criticality: str | None, max_tokens: int, key: str | None = None,
+         stream: bool = False) -> httpx.Response:
     """A chat request with the critical-tier key (its class unless the header lowers it)."""
     headers = {"Authorization": f"Bearer {key or cluster.secrets.critical_key}"}
     if criticality:
         headers["X-Brownout-Criticality"] = criticality
     body = {"model": MODEL, "messages": [{"role": "user", "content": gibberish()}],
-            "max_tokens": max_tokens, "ignore_eos": True}
+            "max_tokens": max_tokens, "ignore_eos": True, "stream": stream}
     with cluster.client(timeout=120) as client:
         return client.post(CHAT, json=body, headers=headers)
 
@@ -115,6 +124,65 @@ def test_overload_is_refused_at_once_least_important_first(
     new_refusals = {k: v - before["refused"].get(k, 0) for k, v in after["refused"].items()}
     assert {k: v for k, v in new_refusals.items() if v} == {
         "sheddable:class_share_exhausted": 1, "critical:saturated": 1}
+
+
+# 12 completions/s assumed and no room reserved (reserve_quantile 0), so the caps stay put
+# whatever arrives: critical 22, standard 18, sheddable 13; above the engine's batch (16), so
+# admitted requests wait for a batch slot in vLLM.
+PREEMPT_CAPS = {"critical": 22, "standard": 18, "sheddable": 13}
+
+
+@pytest.fixture
+def preempt_policy(deployed: Cluster, http: httpx.Client) -> Iterator[None]:
+    yield from deploy_admission(deployed, http, {"prior_rate_per_s": 12, "rate_window_s": 60, "overhead_ms": 100,
+                                                 "reserve_quantile": 0, "reserve_window_s": 60}, PREEMPT_CAPS)
+
+
+def wait_waiting(http: httpx.Client, n: int, held: list[cf.Future[httpx.Response]]) -> None:
+    """Until ``n`` admitted requests of the lower classes wait for the model to start them."""
+    deadline = time.monotonic() + 20
+    while admission_state(http)["waiting"] < n:
+        done = [(f.result().status_code, f.result().text[:200]) for f in held if f.done()]
+        assert time.monotonic() < deadline, (admission_state(http), "finished already:", done)
+        time.sleep(0.05)
+
+
+def test_a_critical_request_at_the_full_door_takes_the_place_of_a_waiting_standard_one(
+        deployed: Cluster, http: httpx.Client, preempt_policy: None) -> None:
+    before = admission_state(http)
+    with cf.ThreadPoolExecutor(max_workers=24) as pool:
+        # 16 long critical requests fill the engine's batch (max_num_seqs 16)...
+        held = [pool.submit(post, deployed, None, 240) for _ in range(16)]
+        wait_in_flight(http, 16, held)
+        time.sleep(2.0)  # through their pre stages into the batch (they then run for 10 s and more)
+        # ...so two standard streams, admitted (standard's cap is 18), wait for a batch slot,
+        streams = []
+        for n in (1, 2):
+            streams.append(pool.submit(post, deployed, "standard", 8, stream=True))
+            wait_waiting(http, n, held + streams)
+        # critical work fills the door to its cap (22; in vLLM it waits ahead of them),
+        held += [pool.submit(post, deployed, None, 8) for _ in range(4)]
+        wait_in_flight(http, 22, held + streams)
+        # and one more critical request, finding the door full, takes the place of the standard
+        # request admitted last: refused at once, before the model started it.
+        t0 = time.monotonic()
+        late = pool.submit(post, deployed, None, 8)
+        victim = streams[1].result(timeout=60)
+        elapsed = time.monotonic() - t0
+        assert victim.status_code == 429, victim.text
+        error = victim.json()["error"]
+        assert error["type"] == "rate_limit_error" and "preempted before the model started it" in error["message"]
+        assert int(victim.headers["Retry-After"]) >= 1 and victim.headers["X-Brownout-Criticality"] == "standard"
+        assert elapsed < 5.0, f"the preempted request was answered {elapsed:.2f} s after the critical one came"
+        state = admission_state(http)
+        assert state["in_flight"] == 22 and state["waiting"] == 1 and not streams[0].done()
+        answers = [f.result() for f in [*held, late, streams[0]]]
+    assert [r.status_code for r in answers] == [200] * 22, [r.text for r in answers if r.status_code != 200]
+    assert "data: [DONE]" in answers[-1].text  # the standard stream that kept its place
+    after = admission_state(http)
+    assert after["in_flight"] == 0 and after["waiting"] == 0
+    new_refusals = {k: v - before["refused"].get(k, 0) for k, v in after["refused"].items()}
+    assert {k: v for k, v in new_refusals.items() if v} == {"standard:preempted": 1}
 
 
 def test_criticality_header_lowers_never_raises(deployed: Cluster, http: httpx.Client, slo_policy: None) -> None:
