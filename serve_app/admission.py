@@ -54,6 +54,13 @@ _KIND = {429: "rate_limit_error", 503: "service_unavailable"}
 T = TypeVar("T")
 
 
+def _refusal_error(status: int, criticality: Criticality, retry_after_s: int, message: str) -> RequestError:
+    """A refusal in OpenAI's error shape, with its computed Retry-After and the request's class."""
+    return RequestError(status, message, None, kind=_KIND[status], headers={
+        "Retry-After": str(retry_after_s), "X-Brownout-Criticality": criticality.value,
+    })
+
+
 @dataclass(eq=False)
 class Ticket:
     """One admitted request, until `AdmissionGate.release`."""
@@ -178,20 +185,17 @@ class AdmissionGate:
     def _preempt(self, victim: Ticket) -> None:
         stop = self._waiting.pop(victim)
         victim.preempted = True
-        klass = victim.criticality.value
-        self.refused[(klass, "preempted")] += 1
-        self._on_refusal(victim.criticality, "preempted")
+        self._count_refusal(victim.criticality, "preempted")
         self.release(victim, served=False)
         stop()
 
     def preempted_error(self, ticket: Ticket) -> RequestError:
         """The refusal of a request whose place a more important one took (`waiting`)."""
-        klass, retry = ticket.criticality.value, self.drain_s()
-        message = (f"{klass} request preempted before the model started it: a more important request "
-                   f"needed its place to stay within its latency objective. Retry after {retry} s.")
-        return RequestError(429, message, None, kind=_KIND[429], headers={
-            "Retry-After": str(retry), "X-Brownout-Criticality": klass,
-        })
+        retry = self.drain_s()
+        message = (f"{ticket.criticality.value} request preempted before the model started it: a more "
+                   f"important request needed its place to stay within its latency objective. "
+                   f"Retry after {retry} s.")
+        return _refusal_error(429, ticket.criticality, retry, message)
 
     def release(self, ticket: Ticket, served: bool) -> None:
         """The request is over. ``served``: the model computed its answer to the end (only
@@ -222,17 +226,20 @@ class AdmissionGate:
 
     def _refusal(self, d: Decision) -> RequestError:
         reason, klass = d.reason, d.criticality.value
-        self.refused[(klass, reason)] += 1
-        self._on_refusal(d.criticality, reason)
+        self._count_refusal(d.criticality, reason)
         if reason == "saturated":
             why = "the service is saturated: even critical requests would miss the latency objective"
         else:
             why = f"{klass} requests are being shed to keep more important work within its latency objective"
         message = (f"{why} ({self.in_flight} requests ahead, {klass} admitted below {d.max_admitted}; "
                    f"predicted {d.predicted_e2e_s:.1f} s). Retry after {d.retry_after_s} s.")
-        return RequestError(d.status, message, None, kind=_KIND[d.status], headers={
-            "Retry-After": str(d.retry_after_s), "X-Brownout-Criticality": klass,
-        })
+        assert d.retry_after_s is not None  # a refusal always has one
+        return _refusal_error(d.status, d.criticality, d.retry_after_s, message)
+
+    def _count_refusal(self, criticality: Criticality, reason: str) -> None:
+        """Every refusal, at the door or by preemption: the gate's counters and the metric hook."""
+        self.refused[(criticality.value, reason)] += 1
+        self._on_refusal(criticality, reason)
 
     def drain_s(self) -> int:
         """Seconds for the work now admitted to drain at the measured rate (a Retry-After for
