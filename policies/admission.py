@@ -46,6 +46,16 @@ The rule, and why:
   slot. Without this, where caps are small, standard and sheddable both
   sit at the floor of one request under overload and are shed alike, not in order (measured at
   3x C0 on 2 cores: sheddable 66.7% shed, standard 69.4%).
+- **The classes below critical keep a margin of the model's own noise.** The line is
+  re-measured every window, and a window's slope scatters (on 2 cores, ``per_request_s`` moved
+  between 0.072 and 0.096 s within one minute at 3 x C0), so the caps move by a few requests as
+  it goes. Where they fall under the work already admitted, critical work is refused until it
+  drains, though its own demand is far below the server's (measured: both critical refusals of
+  a 3 x C0 run came when critical's cap fell from 18 to 16 with 17 in flight). So the classes
+  below critical are capped as if each request in flight cost ``admission.margin_sigmas``
+  (1.0) standard deviations of the window fits more (`ServiceModel.per_request_sd`, weighted
+  like the estimate): what the noise of the measurement can take back is taken from them, not
+  from critical. A steady service keeps no margin; ``0`` switches it off.
 - **Waiting work of a lower class gives way (preemption).** Room is kept from measured rates,
   so it lags a step up: at the onset of an overload from idle the door fills with whatever
   arrives first, before any rate says how much room critical work needs (measured at 0 -> 3x C0
@@ -273,7 +283,8 @@ class ServiceModel:
 
     ALONE_BELOW = 1.5  # mean sharing below this: the request ran about alone
 
-    __slots__ = ("base_s", "per_request_s", "window_s", "alpha", "_measured", "_opened_at", "_sums")
+    __slots__ = ("base_s", "per_request_s", "per_request_var", "window_s", "alpha", "_measured", "_opened_at",
+                 "_sums")
 
     def __init__(self, base_s: float, per_request_s: float, window_s: float = 1.0, alpha: float = 0.3,
                  trusted: bool = False) -> None:
@@ -284,6 +295,7 @@ class ServiceModel:
             )
         self.base_s = float(base_s)
         self.per_request_s = float(per_request_s)
+        self.per_request_var = 0.0  # exponentially weighted variance of the windows' slopes
         self.window_s = window_s
         self.alpha = alpha
         self._measured = [trusted, trusted]  # base_s, per_request_s: past their prior
@@ -303,12 +315,19 @@ class ServiceModel:
         """Completions per second at saturation."""
         return 1.0 / self.per_request_s
 
+    @property
+    def per_request_sd(self) -> float:
+        """How far one window's slope typically lies from ``per_request_s``: the standard deviation
+        of the window fits, weighted like the estimate (``alpha``); 0 until two windows measured it."""
+        return math.sqrt(self.per_request_var)
+
     def latency_s(self, n: int) -> float:
         """Predicted latency of a request sharing the server with ``n`` requests, itself included."""
         return self.base_s + self.per_request_s * (max(1, n) - 1)
 
     def copy(self) -> ServiceModel:
         other = ServiceModel(self.base_s, self.per_request_s, self.window_s, self.alpha)
+        other.per_request_var = self.per_request_var
         other._measured = list(self._measured)
         return other
 
@@ -343,7 +362,10 @@ class ServiceModel:
         if not self._measured[i]:
             self._measured[i] = True
             return sample
-        return old + self.alpha * (sample - old)
+        diff = sample - old
+        if i == 1:  # the exponentially weighted variance that goes with the EWMA
+            self.per_request_var = (1.0 - self.alpha) * (self.per_request_var + self.alpha * diff * diff)
+        return old + self.alpha * diff
 
 
 # A class is shut out only while the classes above it arrive faster than the server completes
@@ -747,10 +769,14 @@ class AdmissionController:
             self._recompute()
 
     def _recompute(self) -> None:
-        # admitted iff overhead + base + per_request * ahead <= overhead + share * budget
-        base, per = self.model.base_s, self.model.per_request_s
+        # admitted iff overhead + base + per_request * ahead <= overhead + share * budget; the
+        # classes below critical as if each request cost margin_sigmas more of the model's noise
+        model = self.model
+        base, per = model.base_s, model.per_request_s
+        per_below = per + self.settings.margin_sigmas * model.per_request_sd
         self._caps = tuple(
-            max(1, math.floor((share * self.budget_s - base) / per + 1e-9) + 1) for share in self._shares
+            max(1, math.floor((share * self.budget_s - base) / (per_below if rank else per) + 1e-9) + 1)
+            for rank, share in enumerate(self._shares)
         )
         self._limits: tuple[float | None, tuple[int, ...] | None] = (None, None)  # `_reserved`'s cache
 

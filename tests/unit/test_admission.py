@@ -809,3 +809,58 @@ def test_each_displaced_request_counts_as_a_refusal_for_the_level() -> None:
     assert ctl.decide(C, 21, now=1.0, preemptible=2).preempt == 2
     # one admission, two refusals: the demand is past what this level serves
     assert ctl.signals(20, 1.0)["refused_ratio"] == pytest.approx(2 / 20)
+
+
+# -- the margin kept for critical work against the model's own noise --------------------------
+
+
+def test_the_slopes_variance_is_the_exponentially_weighted_one_that_goes_with_the_estimate() -> None:
+    model = ServiceModel(1.0, 0.5, window_s=1.0, alpha=0.5, trusted=True)
+    assert model.per_request_sd == 0.0  # nothing measured yet: no noise known
+    # one window of points on slope 1.0: the estimate moves halfway (0.75), the variance to
+    # (1 - a) * (0 + a * 0.5 ** 2) = 0.0625
+    model.observe(0.0, 1.0 + 1.0 * 2, 3.0 / 3)
+    assert model.observe(1.0, 1.0 + 1.0 * 2, 3.0 / 3) is True
+    assert model.per_request_s == pytest.approx(0.75) and model.per_request_sd == pytest.approx(0.25)
+    # a window on the estimate itself: the variance decays by (1 - a)
+    model.observe(2.0, 1.0 + 0.75 * 2, 2.5 / 3)
+    model.observe(3.0, 1.0 + 0.75 * 2, 2.5 / 3)
+    assert model.per_request_s == pytest.approx(0.75) and model.per_request_var == pytest.approx(0.03125)
+    assert model.copy().per_request_var == model.per_request_var
+
+
+def test_a_steady_service_keeps_no_margin() -> None:
+    model = ServiceModel(1.0, 0.1, window_s=1.0, alpha=0.3)  # a built-in guess: replaced, not folded
+    served_at(model, 5, base=1.0, per=0.25, seconds=30)
+    assert model.per_request_s == pytest.approx(0.25) and model.per_request_sd == pytest.approx(0.0)
+
+
+def _noisy(ctl: AdmissionController, pers: list[float]) -> None:
+    """The unloaded latency (0.5 s) learnt alone, then windows of one second each on a line
+    whose slope is each of ``pers`` in turn."""
+    served_at(ctl, 1, base=0.5, per=0.25, seconds=9.0)
+    for i, per in enumerate(pers):
+        served_at(ctl, 5, base=0.5, per=per, seconds=1.0, t0=10.0 + i)
+
+
+@pytest.mark.parametrize("sigmas", [0.0, 1.0, 2.0])
+def test_the_classes_below_critical_keep_a_margin_of_the_models_noise(sigmas: float) -> None:
+    ctl = controller(settings_=SETTINGS.model_copy(update={"margin_sigmas": sigmas}))
+    _noisy(ctl, [0.2, 0.3] * 10)  # the same windows whatever the margin
+    base, per, sd = ctl.model.base_s, ctl.model.per_request_s, ctl.model.per_request_sd
+    assert 0.2 < per < 0.3 and sd > 0.01
+    # critical on the estimate; standard and sheddable as if each request cost sigmas * sd more
+    assert ctl.max_admitted(C) == math.floor((1.0 * 2.0 - base) / per + 1e-9) + 1
+    for klass, share in ((S, 0.8), (D, 0.6)):
+        assert ctl.max_admitted(klass) == max(1, math.floor((share * 2.0 - base) / (per + sigmas * sd) + 1e-9) + 1)
+    # these windows: critical 6 whatever the margin; standard 5 on the estimate, 4 two sigmas up
+    assert [ctl.max_admitted(k) for k in (C, S, D)] == [6, 4 if sigmas == 2.0 else 5, 3]
+
+
+def test_the_margin_is_on_by_default() -> None:
+    assert AdmissionConfig().margin_sigmas == 1.0
+
+
+def test_margin_sigmas_is_validated() -> None:
+    with pytest.raises(ValueError, match="margin_sigmas"):
+        parse_policy({"slo": {"e2e_p99_ms": 2000}, "admission": {"margin_sigmas": -1}})
