@@ -283,8 +283,8 @@ class ServiceModel:
 
     ALONE_BELOW = 1.5  # mean sharing below this: the request ran about alone
 
-    __slots__ = ("base_s", "per_request_s", "per_request_var", "window_s", "alpha", "_measured", "_opened_at",
-                 "_sums")
+    __slots__ = ("base_s", "per_request_s", "per_request_var", "reach", "window_s", "alpha", "_measured",
+                 "_opened_at", "_sums")
 
     def __init__(self, base_s: float, per_request_s: float, window_s: float = 1.0, alpha: float = 0.3,
                  trusted: bool = False) -> None:
@@ -296,6 +296,9 @@ class ServiceModel:
         self.base_s = float(base_s)
         self.per_request_s = float(per_request_s)
         self.per_request_var = 0.0  # exponentially weighted variance of the windows' slopes
+        # the most requests a served completion has shared the server with (on average): how far
+        # the line has been seen to hold; an operator's rate is trusted at any concurrency
+        self.reach = math.inf if trusted else 0.0
         self.window_s = window_s
         self.alpha = alpha
         self._measured = [trusted, trusted]  # base_s, per_request_s: past their prior
@@ -328,6 +331,7 @@ class ServiceModel:
     def copy(self) -> ServiceModel:
         other = ServiceModel(self.base_s, self.per_request_s, self.window_s, self.alpha)
         other.per_request_var = self.per_request_var
+        other.reach = self.reach
         other._measured = list(self._measured)
         return other
 
@@ -337,6 +341,7 @@ class ServiceModel:
         if not (latency_s > 0 and service_s > 0):
             return False
         m = max(1.0, latency_s / service_s)
+        self.reach = max(self.reach, m)
         alone = m < self.ALONE_BELOW
         if alone:
             self._sums[0] += latency_s - self.per_request_s * (m - 1.0)
@@ -375,6 +380,17 @@ class ServiceModel:
 # each crossing shut a class out (measured at 1.5x C0: 69% within the SLO, 88.6% without the
 # rule); one standard deviation keeps the rule to demand that is over the server for sure.
 SHUT_OUT_SIGMAS = 1.0
+
+# The classes below critical are admitted up to this many times the most requests in flight the
+# service model has been measured at (`ServiceModel.reach`), and at least half a batch: the
+# line is fitted where the service ran, and batching makes it convex (a few more sequences in a
+# batch cost little, many cost more), so a slope measured at light load says too little about a
+# full server. Measured at the onset of 3 x C0 on 2 cores, after a warm-up at two or three in
+# flight: the door admitted 24 on a slope of 0.05 s per request where the full server did 0.09,
+# every request of the first 5 s took up to 3.5 s, and the caps then fell under the work in
+# flight, refusing critical work. Like TCP's slow start, the limit doubles as fast as the
+# completions show the server holding it; critical work is not held to it.
+REACH_GROWTH = 2.0
 
 # The reserved limits (`reserved_limits`) are recomputed at most this often (seconds of ``now``):
 # the arrival rates they rest on move with a 10 s time constant, and one computation costs
@@ -618,6 +634,7 @@ class AdmissionController:
         if (slots, model) == (self.slots, self.model_replicas):
             return False
         self.slots, self.model_replicas = slots, int(model)
+        self._recompute()
         return True
 
     def set_level(self, level: int) -> bool:
@@ -703,7 +720,7 @@ class AdmissionController:
         self._refusals.add(now, refused=True)
         reason: Reason = "saturated" if ahead >= self._caps[0] else "class_share_exhausted"
         return Decision(False, criticality, reason, STATUS[reason], self.predicted_e2e_s(ahead), cap,
-                        retry_after_s=self._retry_after(ahead, cap))
+                        retry_after_s=self.retry_after_s(ahead, cap))
 
     def reserve(self, criticality: Criticality, now: float) -> int:
         """Slots of its share's cap that ``criticality`` leaves to the classes above it: its
@@ -750,7 +767,8 @@ class AdmissionController:
                 return 0
         return self._reserved(now)[rank]
 
-    def _retry_after(self, ahead: int, cap: int) -> int:
+    def retry_after_s(self, ahead: int, cap: int) -> int:
+        """``Retry-After`` for a refusal with ``ahead`` in flight and the class admitted below ``cap``."""
         # completions needed before this class fits again, one per_request_s each
         drain_s = (ahead + 1 - cap) * self.model.per_request_s
         lo, hi = self.settings.min_retry_after_s, self.settings.max_retry_after_s
@@ -765,8 +783,16 @@ class AdmissionController:
         Feed completions of requests the model served only: an abort, an error or a
         semantic-cache answer says nothing about the model's capacity.
         """
-        if self.model.observe(now, latency_s, service_s):
+        reach = self._reach_limit()
+        if self.model.observe(now, latency_s, service_s) or self._reach_limit() != reach:
             self._recompute()
+
+    def _reach_limit(self) -> float:
+        """The most requests in flight at which a class below critical is admitted for how far the
+        line has been measured: `REACH_GROWTH` times its reach, at least half this replica's
+        share of the batches."""
+        reach = self.model.reach
+        return math.inf if math.isinf(reach) else max(math.ceil(self.slots / 2), math.floor(REACH_GROWTH * reach))
 
     def _recompute(self) -> None:
         # admitted iff overhead + base + per_request * ahead <= overhead + share * budget; the
@@ -774,8 +800,10 @@ class AdmissionController:
         model = self.model
         base, per = model.base_s, model.per_request_s
         per_below = per + self.settings.margin_sigmas * model.per_request_sd
+        reach = self._reach_limit()
         self._caps = tuple(
-            max(1, math.floor((share * self.budget_s - base) / (per_below if rank else per) + 1e-9) + 1)
+            max(1, math.floor((share * self.budget_s - base) / per + 1e-9) + 1) if not rank
+            else max(1, min(reach, math.floor((share * self.budget_s - base) / per_below + 1e-9) + 1))
             for rank, share in enumerate(self._shares)
         )
         self._limits: tuple[float | None, tuple[int, ...] | None] = (None, None)  # `_reserved`'s cache

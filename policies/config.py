@@ -352,6 +352,12 @@ class AdmissionConfig(_Strict):
         "classes below critical are capped as if each request in flight cost this many standard "
         "deviations of the model's window fits more than measured (0: only their share lowers them)",
     )
+    critical_wait_share: float = Field(
+        default=0.1, ge=0.0, le=0.5, allow_inf_nan=False,
+        description="a critical request that finds the door full waits for a freed slot for up to "
+        "this share of slo.e2e_p99_ms (lower classes are refused meanwhile) before it is refused "
+        "(0: refused at once)",
+    )
     reserve_window_s: float = Field(
         default=10.0, gt=0.0, le=600.0, allow_inf_nan=False,
         description="time constant of each class's measured arrival rate (requests offered, "

@@ -30,6 +30,7 @@ Plain logic, no Ray: the clock and the refusal hook are constructor arguments.
 from __future__ import annotations
 
 import asyncio
+import collections
 import math
 import time
 from collections import Counter
@@ -104,6 +105,9 @@ class AdmissionGate:
         self.refused: Counter[tuple[str, str]] = Counter()
         # admitted requests the model has not started, each with the hook that stops its wait
         self._waiting: dict[Ticket, Callable[[], None]] = {}
+        # critical requests that found the door full, waiting for a freed slot (`admit_waiting`):
+        # (arrived at, the future their ticket is handed over by), first come first served
+        self._queue: collections.deque[tuple[float, asyncio.Future[Ticket]]] = collections.deque()
 
     def configure(self, policy: DegradationConfig) -> None:
         """Apply a (re)loaded policy; a measured service rate is kept across reloads."""
@@ -119,19 +123,81 @@ class AdmissionGate:
         else:
             self.controller.update(slo, settings)
         self.enabled = self.controller is not None and settings.enabled
+        if self._queue and not self.enabled:
+            self._hand_over()  # nobody waits at a door that is no longer kept
 
     def admit(self, criticality_header: str | None, base: Criticality | None = None) -> Ticket:
         """Admit the request or raise the `RequestError` that refuses it (400 for a bad header)."""
+        criticality = self._classify(criticality_header, base)
+        ticket, refused = self._enter(criticality)
+        if ticket is None:
+            assert refused is not None
+            raise self._refusal(refused)
+        return ticket
+
+    async def admit_waiting(self, criticality_header: str | None, base: Criticality | None = None) -> Ticket:
+        """`admit`, except that a critical request the door would refuse waits for a freed slot,
+        for up to ``admission.critical_wait_share`` of the SLO, first come first served.
+
+        Meanwhile no request of a lower class is admitted (the requests waiting count as ahead of
+        it), and each release hands the slot it frees to the first in line while critical's cap
+        has room (`release`). Its deadline runs from its arrival, not from the end of its wait.
+        Past the wait it is refused like at the door (503 ``saturated``, computed Retry-After);
+        a client that goes away while waiting leaves the line and takes no slot.
+        """
+        criticality = self._classify(criticality_header, base)
+        arrived_at = self._clock()
+        ticket, refused = self._enter(criticality)
+        if ticket is not None:
+            return ticket
+        assert refused is not None and self.controller is not None
+        wait_s = self.controller.settings.critical_wait_share * self.controller.e2e_s
+        if criticality.rank or wait_s <= 0:
+            raise self._refusal(refused)
+        handed: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
+        entry = (arrived_at, handed)
+        self._queue.append(entry)
         try:
-            criticality = classify(base or self.default_class, criticality_header)
+            await asyncio.wait({handed}, timeout=wait_s)
+        except BaseException:  # the client went away (or the replica stops): leave the line
+            self._leave(entry)
+            if handed.done() and not handed.cancelled():
+                self.release(handed.result(), served=False)  # handed over as it went: give it back
+            raise
+        if handed.done() and not handed.cancelled():
+            return handed.result()
+        self._leave(entry)
+        ctl = self.controller
+        if ctl is None or not self.enabled:  # admission was switched off meanwhile
+            return self._ticket(criticality, None, self._clock(), self.in_flight)
+        ahead = self.in_flight + len(self._queue)
+        cap = ctl.class_cap(criticality, self._clock())
+        late = Decision(False, criticality, "saturated", 503, ctl.predicted_e2e_s(ahead), cap,
+                        retry_after_s=ctl.retry_after_s(ahead, cap))
+        raise self._refusal(late)
+
+    def _classify(self, criticality_header: str | None, base: Criticality | None) -> Criticality:
+        try:
+            return classify(base or self.default_class, criticality_header)
         except ValueError as err:
             raise RequestError(400, str(err), CRITICALITY_HEADER) from None
+
+    def _leave(self, entry: tuple[float, asyncio.Future[Ticket]]) -> None:
+        try:
+            self._queue.remove(entry)
+        except ValueError:
+            pass  # handed over (or already gone)
+        entry[1].cancel()
+
+    def _enter(self, criticality: Criticality) -> tuple[Ticket | None, Decision | None]:
+        """Decide at the door: the ticket, or the refusing decision (not counted yet)."""
         deadline_at, now, ahead = None, self._clock(), self.in_flight
         if self.controller is not None and self.enabled:
             below = [t for t in self._waiting if t.criticality.rank > criticality.rank]
-            decision = self.controller.decide(criticality, ahead, now, preemptible=len(below))
+            # critical requests waiting for a slot are ahead of every arrival
+            decision = self.controller.decide(criticality, ahead + len(self._queue), now, preemptible=len(below))
             if not decision.admitted:
-                raise self._refusal(decision)
+                return None, decision
             if decision.preempt:
                 # the least important first, and within a class the one that waited least
                 below.sort(key=lambda t: (t.criticality.rank, t.admitted_at), reverse=True)
@@ -139,9 +205,27 @@ class AdmissionGate:
                     self._preempt(victim)
                 ahead = self.in_flight
             deadline_at = decision.deadline_at
+        return self._ticket(criticality, deadline_at, now, ahead), None
+
+    def _ticket(self, criticality: Criticality, deadline_at: float | None, now: float, ahead: int) -> Ticket:
         self.in_flight += 1
         self.admitted[criticality.value] += 1
         return Ticket(criticality, deadline_at, now, ahead, self.share.mark(now, self.in_flight))
+
+    def _hand_over(self) -> None:
+        """Give freed slots to the critical requests waiting for one, first in line first, while
+        critical's cap has room (`admit_waiting`)."""
+        ctl = self.controller
+        if ctl is None or not self.enabled:
+            while self._queue:  # admission switched off: everyone in
+                self._queue.popleft()[1].cancel()
+            return
+        now = self._clock()
+        while self._queue and self.in_flight < ctl.class_cap(Criticality.CRITICAL, now):
+            arrived_at, handed = self._queue.popleft()
+            if handed.done():  # left the line already
+                continue
+            handed.set_result(self._ticket(Criticality.CRITICAL, arrived_at + ctl.e2e_s, now, self.in_flight))
 
     def waiting(self, ticket: Ticket, stop: Callable[[], None]) -> None:
         """``ticket``'s request waits for the model to start it (its pre stages, the model's first
@@ -209,6 +293,8 @@ class AdmissionGate:
         mark = self.share.mark(now, self.in_flight)
         if served and self.controller is not None:
             self.controller.observe_completion(now, now - ticket.admitted_at, mark - ticket.share_mark)
+        if self._queue:
+            self._hand_over()
 
     def set_replicas(self, model: int, ingress: int) -> None:
         """How many model and ingress replicas serve (the policy actor's view): this replica's
@@ -262,6 +348,7 @@ class AdmissionGate:
             "enabled": self.enabled,
             "in_flight": self.in_flight,
             "waiting": len(self._waiting),  # admitted, not started by the model, a lower class's to take
+            "queued": len(self._queue),  # critical requests waiting at the full door for a slot
             "default_class": self.default_class.value,
             "rate_per_s": None if ctl is None else round(ctl.rate_per_s, 3),
             "base_latency_s": None if ctl is None else round(ctl.model.base_s, 3),

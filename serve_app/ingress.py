@@ -908,7 +908,8 @@ class Ingress:
             down = self.model_health.refusal()
             if down is not None:
                 raise _unavailable(self.limits, down)
-            ticket = self.gate.admit(request.headers.get(CRITICALITY_HEADER), base=key.tier if key else None)
+            ticket = await self.gate.admit_waiting(
+                request.headers.get(CRITICALITY_HEADER), base=key.tier if key else None)
             ctx.headers_out[CRITICALITY_HEADER] = ticket.criticality.value
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             response = await self._serve(ctx, ticket, body.stream, include_usage, chat, echo, end_inflight)

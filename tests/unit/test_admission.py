@@ -864,3 +864,51 @@ def test_the_margin_is_on_by_default() -> None:
 def test_margin_sigmas_is_validated() -> None:
     with pytest.raises(ValueError, match="margin_sigmas"):
         parse_policy({"slo": {"e2e_p99_ms": 2000}, "admission": {"margin_sigmas": -1}})
+
+
+# -- the classes below critical stay within how far the line has been measured ----------------
+
+
+def test_reach_is_the_most_requests_a_served_completion_shared_the_server_with() -> None:
+    assert ServiceModel(1.0, 0.1).reach == 0.0  # a guess: seen nowhere
+    assert ServiceModel.from_rate(10.0).reach == math.inf  # an operator's rate: trusted anywhere
+    model = ServiceModel(1.0, 0.1)
+    model.observe(0.0, 2.0, 2.0)  # alone
+    assert model.reach == 1.0
+    model.observe(0.5, 3.0, 0.5)  # shared with 6 on average
+    model.observe(0.6, 2.0, 1.0)
+    assert model.reach == 6.0 and model.copy().reach == 6.0
+
+
+@pytest.mark.parametrize(
+    "name, shared_with, expected",
+    [
+        # slots 8: half a batch (4) until completions show more; critical on the line alone
+        ("nothing measured: half a batch below critical", None, [20, 4, 4]),
+        ("served alone: still half a batch", 1, [20, 4, 4]),
+        ("served at 3 in flight: twice that", 3, [20, 6, 6]),
+        ("served at 5: the share caps bind again", 5, [20, 10, 10]),
+        ("served at 9: the share caps", 9, [20, 16, 12]),
+    ],
+)
+def test_below_critical_the_door_grows_with_what_the_server_was_seen_to_hold(
+        name: str, shared_with: int | None, expected: list[int]) -> None:
+    guess = SETTINGS.model_copy(update={"prior_rate_per_s": None})
+    ctl = controller(SloConfig(e2e_p99_ms=2100), guess, slots=8)
+    # on the line 0.1 + 0.1 * (n - 1): the caps of the share table (critical 20, standard 16, sheddable 12)
+    ctl.model.base_s = ctl.model.per_request_s = 0.1
+    ctl.model._measured = [True, True]
+    if shared_with is not None:
+        ctl.observe_completion(1.0, 0.1 * shared_with, 0.1)  # latency / service = shared_with
+    ctl._recompute()
+    assert [ctl.max_admitted(k) for k in (C, S, D)] == expected, name
+    assert ctl.decide(C, 15, 2.0).admitted and not ctl.decide(S, expected[1], 2.0).admitted
+
+
+def test_the_reach_limit_moves_the_caps_as_soon_as_a_completion_shows_more() -> None:
+    ctl = controller(SloConfig(e2e_p99_ms=2100), SETTINGS.model_copy(update={"prior_rate_per_s": None}), slots=8)
+    before = ctl.max_admitted(S)
+    ctl.model._measured = [True, True]  # no window closes on the next completion
+    ctl.model._opened_at = 0.0
+    ctl.observe_completion(0.1, 1.2, 0.1)  # shared with 12, within the open window
+    assert ctl.max_admitted(S) > before

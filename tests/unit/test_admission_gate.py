@@ -252,3 +252,93 @@ def test_until_started_passes_results_and_client_cancels_through() -> None:
 
 async def _raise(err: Exception) -> None:
     raise err
+
+
+# -- a critical request at the full door waits for the next freed slot ------------------------
+
+
+def test_a_critical_request_at_the_full_door_waits_for_the_next_freed_slot() -> None:
+    async def scenario() -> None:
+        refusals: list = []
+        g = gate(refusals=refusals)
+        first = fill(g, 19)  # critical's cap
+        g._clock.advance(0.5)
+        arrived = g._clock()
+        waits = asyncio.ensure_future(g.admit_waiting(None, base=Criticality.CRITICAL))
+        await asyncio.sleep(0)
+        assert g.state()["queued"] == 1 and not waits.done() and g.in_flight == 19
+        with pytest.raises(RequestError) as lower:  # the line is ahead of every lower class
+            g.admit("standard")
+        assert lower.value.status == 503
+        g._clock.advance(0.05)
+        g.release(first[0], served=True)  # the freed slot goes to the first in line
+        ticket = await asyncio.wait_for(waits, 5)
+        assert ticket.criticality is Criticality.CRITICAL and g.in_flight == 19
+        assert ticket.deadline_at == pytest.approx(arrived + 2.0)  # the SLO runs from its arrival
+        assert ticket.admitted_at == pytest.approx(arrived + 0.05)
+        assert g.state()["queued"] == 0 and refusals == [(Criticality.STANDARD, "saturated")]
+
+    asyncio.run(scenario())
+
+
+def test_a_critical_request_is_refused_past_its_wait_and_counted_once() -> None:
+    async def scenario() -> None:
+        refusals: list = []
+        g = gate(refusals=refusals)
+        tickets = fill(g, 19)
+        # 0.1 of the 2 s SLO: refused after 0.2 s with nothing freed
+        with pytest.raises(RequestError) as err:
+            await asyncio.wait_for(g.admit_waiting(None, base=Criticality.CRITICAL), 5)
+        assert err.value.status == 503 and int(err.value.headers["Retry-After"]) >= 1
+        assert err.value.headers["X-Brownout-Criticality"] == "critical"
+        assert refusals == [(Criticality.CRITICAL, "saturated")] and g.state()["queued"] == 0
+        g.release(tickets[0], served=False)  # nobody in line: the slot stays free
+        assert g.in_flight == 18
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("klass, policy", [
+    ("standard", SLO_POLICY),  # lower classes never wait
+    ("sheddable", SLO_POLICY),
+    ("critical", {**SLO_POLICY, "admission": {**SLO_POLICY["admission"], "critical_wait_share": 0}}),
+])
+def test_who_does_not_wait_is_refused_at_once(klass: str, policy: dict) -> None:
+    async def scenario() -> None:
+        g = gate(policy)
+        fill(g, 19)
+        waits = asyncio.ensure_future(g.admit_waiting(None, base=Criticality(klass)))
+        await asyncio.sleep(0)
+        assert waits.done() and g.state()["queued"] == 0
+        assert isinstance(waits.exception(), RequestError)
+
+    asyncio.run(scenario())
+
+
+def test_a_client_that_goes_away_while_waiting_takes_no_slot() -> None:
+    async def scenario() -> None:
+        g = gate()
+        tickets = fill(g, 19)
+        waits = asyncio.ensure_future(g.admit_waiting(None, base=Criticality.CRITICAL))
+        await asyncio.sleep(0)
+        waits.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waits
+        assert g.state()["queued"] == 0
+        g.release(tickets[0], served=False)
+        assert g.in_flight == 18 and g.refused == {}
+
+    asyncio.run(scenario())
+
+
+def test_waiting_requests_are_let_in_when_admission_is_switched_off() -> None:
+    async def scenario() -> None:
+        g = gate()
+        fill(g, 19)
+        waits = asyncio.ensure_future(g.admit_waiting(None, base=Criticality.CRITICAL))
+        await asyncio.sleep(0)
+        g.configure(parse_policy({**SLO_POLICY, "admission": {"enabled": False}}))
+        ticket = await asyncio.wait_for(waits, 5)
+        assert ticket.deadline_at is None and g.in_flight == 20
+
+    asyncio.run(scenario())
