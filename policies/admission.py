@@ -46,16 +46,12 @@ The rule, and why:
   slot. Without this, where caps are small, standard and sheddable both
   sit at the floor of one request under overload and are shed alike, not in order (measured at
   3x C0 on 2 cores: sheddable 66.7% shed, standard 69.4%).
-- **The classes below critical keep a margin of the model's own noise.** The line is
-  re-measured every window, and a window's slope scatters (on 2 cores, ``per_request_s`` moved
-  between 0.072 and 0.096 s within one minute at 3 x C0), so the caps move by a few requests as
-  it goes. Where they fall under the work already admitted, critical work is refused until it
-  drains, though its own demand is far below the server's (measured: both critical refusals of
-  a 3 x C0 run came when critical's cap fell from 18 to 16 with 17 in flight). So the classes
-  below critical are capped as if each request in flight cost ``admission.margin_sigmas``
-  (1.0) standard deviations of the window fits more (`ServiceModel.per_request_sd`, weighted
-  like the estimate): what the noise of the measurement can take back is taken from them, not
-  from critical. A steady service keeps no margin; ``0`` switches it off.
+- **Critical work at a full door waits for the next freed slot** (`serve_app.admission`): for up
+  to ``admission.critical_wait_share`` (0.1) of the SLO, first come first served, before it is
+  refused; every release hands its slot to the first in line while critical's cap has room, and
+  no lower class is admitted meanwhile (those waiting count as ahead of it). Under load slots
+  free several times a second, so most of the critical refusals a full door would make become
+  short waits; the deadline still runs from the request's arrival.
 - **Waiting work of a lower class gives way (preemption).** Room is kept from measured rates,
   so it lags a step up: at the onset of an overload from idle the door fills with whatever
   arrives first, before any rate says how much room critical work needs (measured at 0 -> 3x C0
@@ -283,8 +279,7 @@ class ServiceModel:
 
     ALONE_BELOW = 1.5  # mean sharing below this: the request ran about alone
 
-    __slots__ = ("base_s", "per_request_s", "per_request_var", "reach", "window_s", "alpha", "_measured",
-                 "_opened_at", "_sums")
+    __slots__ = ("base_s", "per_request_s", "window_s", "alpha", "_measured", "_opened_at", "_sums")
 
     def __init__(self, base_s: float, per_request_s: float, window_s: float = 1.0, alpha: float = 0.3,
                  trusted: bool = False) -> None:
@@ -295,10 +290,6 @@ class ServiceModel:
             )
         self.base_s = float(base_s)
         self.per_request_s = float(per_request_s)
-        self.per_request_var = 0.0  # exponentially weighted variance of the windows' slopes
-        # the most requests a served completion has shared the server with (on average): how far
-        # the line has been seen to hold; an operator's rate is trusted at any concurrency
-        self.reach = math.inf if trusted else 0.0
         self.window_s = window_s
         self.alpha = alpha
         self._measured = [trusted, trusted]  # base_s, per_request_s: past their prior
@@ -318,20 +309,12 @@ class ServiceModel:
         """Completions per second at saturation."""
         return 1.0 / self.per_request_s
 
-    @property
-    def per_request_sd(self) -> float:
-        """How far one window's slope typically lies from ``per_request_s``: the standard deviation
-        of the window fits, weighted like the estimate (``alpha``); 0 until two windows measured it."""
-        return math.sqrt(self.per_request_var)
-
     def latency_s(self, n: int) -> float:
         """Predicted latency of a request sharing the server with ``n`` requests, itself included."""
         return self.base_s + self.per_request_s * (max(1, n) - 1)
 
     def copy(self) -> ServiceModel:
         other = ServiceModel(self.base_s, self.per_request_s, self.window_s, self.alpha)
-        other.per_request_var = self.per_request_var
-        other.reach = self.reach
         other._measured = list(self._measured)
         return other
 
@@ -341,7 +324,6 @@ class ServiceModel:
         if not (latency_s > 0 and service_s > 0):
             return False
         m = max(1.0, latency_s / service_s)
-        self.reach = max(self.reach, m)
         alone = m < self.ALONE_BELOW
         if alone:
             self._sums[0] += latency_s - self.per_request_s * (m - 1.0)
@@ -367,10 +349,7 @@ class ServiceModel:
         if not self._measured[i]:
             self._measured[i] = True
             return sample
-        diff = sample - old
-        if i == 1:  # the exponentially weighted variance that goes with the EWMA
-            self.per_request_var = (1.0 - self.alpha) * (self.per_request_var + self.alpha * diff * diff)
-        return old + self.alpha * diff
+        return old + self.alpha * (sample - old)
 
 
 # A class is shut out only while the classes above it arrive faster than the server completes
@@ -380,17 +359,6 @@ class ServiceModel:
 # each crossing shut a class out (measured at 1.5x C0: 69% within the SLO, 88.6% without the
 # rule); one standard deviation keeps the rule to demand that is over the server for sure.
 SHUT_OUT_SIGMAS = 1.0
-
-# The classes below critical are admitted up to this many times the most requests in flight the
-# service model has been measured at (`ServiceModel.reach`), and at least half a batch: the
-# line is fitted where the service ran, and batching makes it convex (a few more sequences in a
-# batch cost little, many cost more), so a slope measured at light load says too little about a
-# full server. Measured at the onset of 3 x C0 on 2 cores, after a warm-up at two or three in
-# flight: the door admitted 24 on a slope of 0.05 s per request where the full server did 0.09,
-# every request of the first 5 s took up to 3.5 s, and the caps then fell under the work in
-# flight, refusing critical work. Like TCP's slow start, the limit doubles as fast as the
-# completions show the server holding it; critical work is not held to it.
-REACH_GROWTH = 2.0
 
 # The reserved limits (`reserved_limits`) are recomputed at most this often (seconds of ``now``):
 # the arrival rates they rest on move with a 10 s time constant, and one computation costs
@@ -634,7 +602,6 @@ class AdmissionController:
         if (slots, model) == (self.slots, self.model_replicas):
             return False
         self.slots, self.model_replicas = slots, int(model)
-        self._recompute()
         return True
 
     def set_level(self, level: int) -> bool:
@@ -783,28 +750,14 @@ class AdmissionController:
         Feed completions of requests the model served only: an abort, an error or a
         semantic-cache answer says nothing about the model's capacity.
         """
-        reach = self._reach_limit()
-        if self.model.observe(now, latency_s, service_s) or self._reach_limit() != reach:
+        if self.model.observe(now, latency_s, service_s):
             self._recompute()
 
-    def _reach_limit(self) -> float:
-        """The most requests in flight at which a class below critical is admitted for how far the
-        line has been measured: `REACH_GROWTH` times its reach, at least half this replica's
-        share of the batches."""
-        reach = self.model.reach
-        return math.inf if math.isinf(reach) else max(math.ceil(self.slots / 2), math.floor(REACH_GROWTH * reach))
-
     def _recompute(self) -> None:
-        # admitted iff overhead + base + per_request * ahead <= overhead + share * budget; the
-        # classes below critical as if each request cost margin_sigmas more of the model's noise
-        model = self.model
-        base, per = model.base_s, model.per_request_s
-        per_below = per + self.settings.margin_sigmas * model.per_request_sd
-        reach = self._reach_limit()
+        # admitted iff overhead + base + per_request * ahead <= overhead + share * budget
+        base, per = self.model.base_s, self.model.per_request_s
         self._caps = tuple(
-            max(1, math.floor((share * self.budget_s - base) / per + 1e-9) + 1) if not rank
-            else max(1, min(reach, math.floor((share * self.budget_s - base) / per_below + 1e-9) + 1))
-            for rank, share in enumerate(self._shares)
+            max(1, math.floor((share * self.budget_s - base) / per + 1e-9) + 1) for share in self._shares
         )
         self._limits: tuple[float | None, tuple[int, ...] | None] = (None, None)  # `_reserved`'s cache
 

@@ -346,12 +346,6 @@ class AdmissionConfig(_Strict):
         "1 - this (Erlang's loss model of their measured arrival rates and the service model; "
         "0: no reservation)",
     )
-    margin_sigmas: float = Field(
-        default=1.0, ge=0.0, le=10.0, allow_inf_nan=False,
-        description="room kept for critical work against the service model's own noise: the "
-        "classes below critical are capped as if each request in flight cost this many standard "
-        "deviations of the model's window fits more than measured (0: only their share lowers them)",
-    )
     critical_wait_share: float = Field(
         default=0.1, ge=0.0, le=0.5, allow_inf_nan=False,
         description="a critical request that finds the door full waits for a freed slot for up to "

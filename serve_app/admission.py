@@ -14,6 +14,8 @@ admitted or refused before any enrichment or model work:
 - 429 ``class_share_exhausted``: this class's share of the latency budget is used up, more
   important work still gets in;
 - 503 ``saturated``: even critical work would miss the SLO;
+- a critical request that finds the door full first waits for a freed slot, for up to
+  ``admission.critical_wait_share`` of the SLO (`admit_waiting`), then gets the 503;
 - 429 ``preempted``, after admission: a more important request found the door full and took the
   place of this one, which the model had not started yet (`waiting`, `preempted_error`).
 

@@ -383,7 +383,8 @@ def render_status(state: Mapping[str, Any], out: Out, now: float | None = None) 
                  sum(n for k, n in refused.items() if k.split(":")[0] == c),
                  ", ".join(f"{k.split(':', 1)[1]} {n}" for k, n in refused.items() if k.split(":")[0] == c)]
                 for c in classes]
-        out.table(f"admission ({'on' if adm.get('enabled') else 'off'}; {adm.get('in_flight')} in flight; "
+        queued = f"{adm['queued']} critical waiting for a slot; " if adm.get("queued") else ""
+        out.table(f"admission ({'on' if adm.get('enabled') else 'off'}; {adm.get('in_flight')} in flight; {queued}"
                   f"{_cell(adm.get('per_request_s'))} s per request, base {_cell(adm.get('base_latency_s'))} s)",
                   ["class", "cap", "reserved", "admitted", "refused", "by reason"], rows)
 

@@ -185,6 +185,48 @@ def test_a_critical_request_at_the_full_door_takes_the_place_of_a_waiting_standa
     assert {k: v for k, v in new_refusals.items() if v} == {"standard:preempted": 1}
 
 
+@pytest.fixture
+def wait_policy(deployed: Cluster, http: httpx.Client) -> Iterator[None]:
+    # the caps of `slo_policy`; a critical request at the full door waits up to half the SLO (1 s)
+    yield from deploy_admission(deployed, http, {"prior_rate_per_s": 4, "rate_window_s": 60, "overhead_ms": 100,
+                                                 "critical_wait_share": 0.5}, CAPS)
+
+
+def test_a_critical_request_at_the_full_door_gets_the_next_freed_slot(
+        deployed: Cluster, http: httpx.Client, wait_policy: None) -> None:
+    before = admission_state(http)
+    headers = {"Authorization": f"Bearer {deployed.secrets.critical_key}"}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": gibberish()}],
+            "max_tokens": 240, "ignore_eos": True, "stream": True}
+    with cf.ThreadPoolExecutor(max_workers=8) as pool, deployed.client(timeout=120) as client:
+        # critical's cap (7): six long requests and one stream that this test ends at will
+        held = [pool.submit(post, deployed, None, 240) for _ in range(6)]
+        wait_in_flight(http, 6, held)
+        with client.stream("POST", CHAT, json=body, headers=headers) as stream:
+            assert stream.status_code == 200
+            lines = stream.iter_lines()
+            next(lines)  # streaming: it holds its slot
+            wait_in_flight(http, 7, held)
+            # the door is full: the next critical request waits in line instead of a 503...
+            waiter = pool.submit(post, deployed, None, 8)
+            deadline = time.monotonic() + 20
+            while admission_state(http)["queued"] < 1:
+                assert time.monotonic() < deadline and not waiter.done(), admission_state(http)
+                time.sleep(0.02)
+            # ...and no request of a lower class gets past it meanwhile
+            refused(deployed, "standard", 503)
+        # the stream ends (the client went away): its slot goes to the request in line
+        answer = waiter.result(timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert answer.headers["X-Brownout-Criticality"] == "critical"
+        answers = [f.result() for f in held]
+    assert [r.status_code for r in answers] == [200] * 6, [r.text for r in answers if r.status_code != 200]
+    after = admission_state(http)
+    assert after["in_flight"] == 0 and after["queued"] == 0
+    new_refusals = {k: v - before["refused"].get(k, 0) for k, v in after["refused"].items()}
+    assert {k: v for k, v in new_refusals.items() if v} == {"standard:saturated": 1}
+
+
 def test_criticality_header_lowers_never_raises(deployed: Cluster, http: httpx.Client, slo_policy: None) -> None:
     r = post(deployed, "sheddable", 4)
     assert r.status_code == 200 and r.headers["X-Brownout-Criticality"] == "sheddable"

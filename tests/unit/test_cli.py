@@ -45,7 +45,7 @@ def policy_state(pin: int | None = None) -> dict[str, Any]:
     state["ingress"] = {
         "pipeline": {"bypassed": {"ab_test": 7}, "failures": {"personalization": 1}, "deferred": {},
                      "circuits": {"personalization": {"state": "closed"}}},
-        "admission": {"enabled": True, "in_flight": 2, "per_request_s": 0.5, "base_latency_s": 1.2,
+        "admission": {"enabled": True, "in_flight": 2, "queued": 1, "per_request_s": 0.5, "base_latency_s": 1.2,
                       "class_cap": {"critical": 6, "standard": 5, "sheddable": 4},
                       "reserved": {"critical": 0, "standard": 1, "sheddable": 1},
                       "admitted": {"standard": 40, "critical": 3},
@@ -168,6 +168,7 @@ def test_status_prints_level_reason_signals_features_and_admission() -> None:
     assert next(line for line in out.splitlines() if line.startswith("personalization")).split()[1] == "on"
     sheddable = next(line for line in out.splitlines() if line.startswith("sheddable"))
     assert sheddable.split()[:5] == ["sheddable", "4", "1", "0", "5"]
+    assert "2 in flight; 1 critical waiting for a slot;" in out
 
 
 def test_status_shows_a_pin_and_its_note() -> None:
