@@ -145,7 +145,9 @@ class AdmissionGate:
         it), and each release hands the slot it frees to the first in line while critical's cap
         has room (`release`). Its deadline runs from its arrival, not from the end of its wait.
         Past the wait it is refused like at the door (503 ``saturated``, computed Retry-After);
-        a client that goes away while waiting leaves the line and takes no slot.
+        a client that goes away while waiting leaves the line and takes no slot. Its first
+        decision still counts as a refusal in ``refused_ratio`` (the level's earliest signal):
+        the door was full.
         """
         criticality = self._classify(criticality_header, base)
         arrived_at = self._clock()
