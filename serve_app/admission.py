@@ -44,6 +44,7 @@ from policies.admission import (
     CRITICALITY_HEADER,
     AdmissionController,
     Criticality,
+    STATUS,
     Decision,
     ShareClock,
     classify,
@@ -176,7 +177,7 @@ class AdmissionGate:
             return self._ticket(criticality, None, self._clock(), self.in_flight)
         ahead = self.in_flight + len(self._queue)
         cap = ctl.class_cap(criticality, self._clock())
-        late = Decision(False, criticality, "saturated", 503, ctl.predicted_e2e_s(ahead), cap,
+        late = Decision(False, criticality, "saturated", STATUS["saturated"], ctl.predicted_e2e_s(ahead), cap,
                         retry_after_s=ctl.retry_after_s(ahead, cap))
         raise self._refusal(late)
 
