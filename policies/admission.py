@@ -6,22 +6,25 @@ Pure: no clock, no I/O, no Ray. Every call takes ``now``; the caller keeps one
 The rule, and why:
 
 - **A measured latency model sets the limit.** A request sharing the server with ``n`` requests
-  in flight (itself included) is predicted to take ``base_s + per_request_s * (n - 1)``
-  (`ServiceModel`: ``base_s`` is the unloaded latency, ``per_request_s`` what each extra request
-  in flight adds, the reciprocal of the throughput at saturation). Under batching everyone in
-  flight slows down together, so a request with ``ahead`` requests already admitted and
-  unfinished in front of it (running or waiting at the model, wherever they wait) is predicted
-  to finish after ``overhead + base_s + per_request_s * ahead``, and that same bound holds for
-  every request already in flight once it is admitted. ``budget_s = slo.e2e_p99_ms -
-  admission.overhead_ms`` (the time spent outside what the gate measures is taken off first).
+  in flight (itself included) is predicted to take ``latency_s(n)`` (`ServiceModel`): within the
+  engine's batch (``n <= slots``, its ``max_num_seqs``) a line ``base_s + per_request_s * (n -
+  1)`` fitted through the recent completions where the service runs; past it, a request also
+  waits for a slot, ``latency_s(slots) * n / slots`` (Little's law at the full batch's rate,
+  which is the saturation rate). Under batching everyone in flight slows down together, so a
+  request with ``ahead`` requests already admitted and unfinished in front of it (running or
+  waiting at the model, wherever they wait) is predicted to finish after ``overhead +
+  latency_s(ahead + 1)``, and that same bound holds for every request already in flight once it
+  is admitted. ``budget_s = slo.e2e_p99_ms - admission.overhead_ms`` (the time spent outside
+  what the gate measures is taken off first).
 - **Classes share the budget.** Class c may use ``class_share[c] * budget_s`` (critical 1.0,
-  standard 0.8, sheddable 0.6 by default), so its concurrency cap is ``max_admitted(c) =
-  max(1, floor((class_share[c] * budget_s - base_s) / per_request_s) + 1)`` and it is admitted
-  iff ``ahead < max_admitted(c)``: one integer comparison per request. As the backlog grows,
-  sheddable is refused first, then standard; critical is admitted while any room remains. A
-  request with nothing ahead is admitted, unless the classes above its own alone arrive at
-  least as fast as the server completes requests (below). (With a prior
-  rate and nothing measured, ``base_s = per_request_s = 1 / rate`` and the cap is Little's law,
+  standard 0.8, sheddable 0.6 by default), so its concurrency cap ``max_admitted(c)`` is the
+  most requests in flight ``n`` with ``latency_s(n) <= class_share[c] * budget_s`` (at least 1;
+  `ServiceModel.max_within`) and it is admitted iff ``ahead < max_admitted(c)``: one integer
+  comparison per request. As the backlog grows, sheddable is refused first, then standard;
+  critical is admitted while any room remains. A request with nothing ahead is admitted, unless
+  the classes above its own alone arrive at least as fast as the server completes requests
+  (below). (With a prior rate and nothing measured, ``base_s = per_request_s = 1 / rate``: the
+  line is ``n / rate`` on both sides of the batch, and the cap is Little's law,
   ``floor(class_share[c] * rate * budget_s)``.)
 - **Room is kept for more important work (trunk reservation).** Shares alone do not protect
   critical work where the caps are small: with a few requests' worth of budget, 1.0 and 0.9 of
@@ -30,7 +33,7 @@ The rule, and why:
   (`loss_chain`): the classes arrive as Poisson at their measured rates (requests offered per
   second, admitted or refused, decayed over ``reserve_window_s``, or over a fifth of it where
   that is higher: `ArrivalRate.peak`, so a step up in demand is seen within seconds), each admitted below its
-  limit, and ``n`` requests in flight complete at ``n / latency_s(n)`` (the measured line). A
+  limit, and ``n`` requests in flight complete at ``n / latency_s(n)`` (the measured model). A
   class's limit is the highest at which it raises the share of refused requests of every class
   above it by at most ``1 - reserve_quantile`` (0.99: one point), over the same model without
   it (`reserved_limits`). This is the telephone network's trunk reservation, sized from the
@@ -64,7 +67,7 @@ The rule, and why:
 - **Refusals are honest.** A refused class that critical work could still pass gets 429
   ``class_share_exhausted``; when even critical is refused the service is ``saturated``: 503.
   ``Retry-After`` is the predicted time for the backlog to drain to where this class is admitted
-  again, ``ceil((ahead + 1 - max_admitted(c)) * per_request_s)``, clamped to
+  again, ``ceil((ahead + 1 - max_admitted(c)) / rate_per_s)`` (the saturation rate), clamped to
   ``[min_retry_after_s, max_retry_after_s]``: it grows with the backlog instead of inviting every
   refused client back at once after a constant.
 - **Late work is dropped, not computed.** Each admitted request carries ``deadline_at = now +
@@ -73,15 +76,16 @@ The rule, and why:
   delay the requests behind it that still can make it.
 - **The model is measured from every served request, at any load.** The gate keeps a
   `ShareClock`: a request's own service time is its latency divided by how many requests it
-  shared the server with. Each served completion is one sample of the latency line at the
-  concurrency it saw (`ServiceModel.observe`), averaged over windows of ``rate_window_s`` and
-  folded in with weight ``rate_alpha``. A completion rate counted over windows cannot do this:
+  shared the server with. Each served completion is one point of the latency curve at the
+  concurrency it saw (`ServiceModel.observe`); the points are gathered over windows of
+  ``rate_window_s``, older ones fade by ``1 - rate_alpha`` per window, and the line is their
+  least-squares fit, so it holds where the service runs now. A completion rate counted over windows cannot do this:
   at low load it measures demand, not capacity, and with the few, bursty completions of LLM
   requests (a batch finishes together) its windows are noise, which an estimate that low load
   may only raise turns into drift upwards; admission then lets through work that cannot finish
   in time. Cold start uses ``prior_rate_per_s`` (``1 / rate`` per request, moved by windows
-  like a measurement) or, without one, `default_prior` (alone half the SLO; a full batch in
-  the other half), a guess that the first completion measuring it replaces.
+  like a measurement) or, without one, `default_prior` (alone half the SLO; a full batch the
+  whole SLO), a guess that the first completion measuring it replaces.
 - **Each level has its own model** (`AdmissionController.set_level`). Optional work takes the
   same CPU as the model and shaping shortens answers, so capacity differs by level; on a level
   change the level's own measurements apply at once.
@@ -212,7 +216,7 @@ class Decision:
     criticality: Criticality
     reason: Reason
     status: int
-    predicted_e2e_s: float  # overhead + base_s + per_request_s * ahead
+    predicted_e2e_s: float  # overhead + latency_s(ahead + 1)
     max_admitted: int  # this class's concurrency cap at the time of the decision
     retry_after_s: int | None = None  # integer seconds >= 1 when refused
     deadline_at: float | None = None  # when admitted: past it the answer misses the SLO
@@ -246,76 +250,112 @@ class ShareClock:
 
 
 class ServiceModel:
-    """The measured latency model: a request sharing the server with ``n`` requests (itself
-    included) takes ``base_s + per_request_s * (n - 1)``.
+    """The measured latency model of a batching engine: a request sharing the server with ``n``
+    requests (itself included) takes
 
-    Why linear: each engine step costs a fixed part plus a part per sequence in the batch, and on
-    CPU the optional stages of the requests in flight take the same cores; so every extra request
-    in flight adds about ``per_request_s`` (the reciprocal of the throughput at saturation) to
-    everyone's latency, on top of the unloaded latency ``base_s``. One number (a rate) cannot say
-    both: with batching the completion rate at low load is far below the rate at full load, and
-    a rate measured in one regime mispredicts the other.
+        n <= slots:  base_s + per_request_s * (n - 1)       (within the batch: a line)
+        n >  slots:  latency_s(slots) * n / slots           (past it: queueing, Little's law)
+
+    Why this shape: within a batch each engine step costs a fixed part plus a part per sequence,
+    and on CPU the optional stages of the requests in flight take the same cores, so each extra
+    request in flight adds about ``per_request_s`` to everyone's latency. Past the batch
+    (``slots``: the engine's ``max_num_seqs``, or this replica's share of it) a request waits
+    for ``n - slots`` others to finish at the full batch's rate ``slots / latency_s(slots)``
+    before it runs, which is the second line. The saturation rate is that full batch's rate.
+    With ``slots`` None the line holds for every ``n`` (one server, no batch bound).
+
+    Why a free intercept, fitted where the service runs: a batching engine's latency is not a
+    line in the requests in flight (measured on 2 cores with the embedded model: one request
+    alone 0.78 s; 4-6 in flight 1.35 s; 12-14 in flight 1.57 s while the completions doubled). A
+    line anchored at the latency alone and fitted through the operating point reads a steep
+    slope wherever the door runs low (0.13-0.15 s per request at 4-5 in flight against 0.07 at
+    11-15), gives caps that hold the door where it is, and never measures the flat part above:
+    the door had two stable states, one at a third of the other's goodput. A line fitted
+    through the recent points alone is right where they are, which is where the caps are
+    decided: it is the local slope, so the door climbs while the latency there has room in the
+    budget and stops where it has none; and past the batch Little's law bounds the cap however
+    flat the slope reads.
 
     Each completion of a request the model served gives ``(L, S)`` (`ShareClock`): it shared the
-    server with ``m = L / S`` requests on average. Then, with the other parameter as it stands::
-
-        m < 1.5 (it ran about alone):  base sample = L - per_request_s * (m - 1)
-        m >= 1.5:                      a point (x, y) = (m - 1, L - base_s) on y = per_request_s * x
-
-    Samples are gathered over windows of ``window_s`` (a window closes at the first completion at
-    least ``window_s`` after it opened); at its close the mean base sample, and the least-squares
-    slope of the window's points, ``sum(x * y) / sum(x * x)``, move their parameter by ``alpha``
-    (EWMA). Least squares, not a mean of ``y / x``: a request that barely shared the server
-    (``x`` near 0.5) has a slope that is mostly noise (one slow enrichment, one long prompt) and
-    weighs little (on this project's 2-core machine a mean of ratios read one window as 2.4 s
-    per request where the service did about 0.6). A built-in prior (`default_prior`: a guess, possibly far off) is replaced outright by
-    the first completion that measures it; an operator's rate (`from_rate`) is trusted like a
-    measurement and moved by windows. Every completion
-    counts, at any load: there is no busy/idle distinction to get wrong, and a capacity change
-    (another level, a slower replica, a noisy neighbour) is tracked within a few windows. Even
-    with ``base_s`` still at its prior, the fitted line passes through what was measured at the
-    concurrency the service runs at, which is where the admission caps are decided.
+    server with ``m = L / S`` requests on average, a point ``(x, y) = (m - 1, L)``; past the batch
+    (``m > slots``) the point of the full batch it implies, ``(slots - 1, L * slots / m)``.
+    Points are gathered over windows of ``window_s`` (a window closes at the first completion at
+    least ``window_s`` after it opened); at each close the points gathered so far fade by ``1 -
+    alpha`` and the window's are added (weight 1 each), and the line is their least-squares fit
+    with a ridge of `RIDGE` towards the slope in force: where the points barely spread (a
+    steady load, one request at a time) the slope stays as it was and the line moves through
+    their mean; where they spread, they decide it. The slope is kept above `MIN_SLOPE` (a flat
+    or falling line is noise; Little's law past the batch bounds the caps). A built-in prior
+    (`default_prior`: a guess, possibly far off) contributes no point, so the first window that
+    closes (its first completion) replaces it; an operator's rate (`from_rate`) is trusted like
+    one measured point at ``n = 1`` that fades like the others. Every completion counts, at any
+    load: there is no busy/idle distinction to get wrong, and a capacity change (another level,
+    a slower replica, a noisy neighbour) is tracked within a few windows.
     """
 
-    ALONE_BELOW = 1.5  # mean sharing below this: the request ran about alone
+    RIDGE = 2.0  # weight (completions x requests^2) of the slope in force against the points' spread
+    MIN_SLOPE = 1e-3  # seconds per request: a flat or falling fitted line is read as this
 
-    __slots__ = ("base_s", "per_request_s", "window_s", "alpha", "_measured", "_opened_at", "_sums")
+    __slots__ = ("base_s", "per_request_s", "slots", "window_s", "alpha", "_measured", "_opened_at",
+                 "_window", "_sums")
 
     def __init__(self, base_s: float, per_request_s: float, window_s: float = 1.0, alpha: float = 0.3,
-                 trusted: bool = False) -> None:
+                 trusted: bool = False, slots: int | None = None) -> None:
         if not (base_s > 0 and per_request_s > 0 and window_s > 0 and 0 < alpha <= 1):
             raise ValueError(
                 f"need base_s > 0, per_request_s > 0, window_s > 0, 0 < alpha <= 1; "
                 f"got {base_s!r}, {per_request_s!r}, {window_s!r}, {alpha!r}"
             )
+        if slots is not None and slots < 1:
+            raise ValueError(f"need slots >= 1 (the engine's batch size) or None, got {slots!r}")
         self.base_s = float(base_s)
         self.per_request_s = float(per_request_s)
+        self.slots = slots
         self.window_s = window_s
         self.alpha = alpha
-        self._measured = [trusted, trusted]  # base_s, per_request_s: past their prior
+        self._measured = trusted  # past a built-in guess: windows fold in, not replace
         self._opened_at: float | None = None
-        self._sums = [0.0, 0.0, 0.0, 0.0]  # base: sum, count; slope: sum of x * y, of x * x
+        self._window = [0.0] * 5  # the open window's sums: weight, x, y, x * x, x * y
+        # the faded sums of the points before it; an operator's rate is one point at n = 1
+        self._sums = [1.0, 0.0, self.base_s, 0.0, 0.0] if trusted else [0.0] * 5
 
     @classmethod
-    def from_rate(cls, rate_per_s: float, window_s: float = 1.0, alpha: float = 0.3) -> ServiceModel:
+    def from_rate(cls, rate_per_s: float, window_s: float = 1.0, alpha: float = 0.3,
+                  slots: int | None = None) -> ServiceModel:
         """An operator's rate: ``1 / rate`` per request, alone or not (Little's law with requests
-        served one after another). Trusted like a measurement: windows move it by ``alpha``."""
+        served one after another). Trusted like a measurement: windows move it."""
         if not rate_per_s > 0:
             raise ValueError(f"need prior_rate_per_s > 0, got {rate_per_s!r}")
-        return cls(1.0 / rate_per_s, 1.0 / rate_per_s, window_s, alpha, trusted=True)
+        return cls(1.0 / rate_per_s, 1.0 / rate_per_s, window_s, alpha, trusted=True, slots=slots)
 
     @property
     def rate_per_s(self) -> float:
-        """Completions per second at saturation."""
-        return 1.0 / self.per_request_s
+        """Completions per second at saturation: a full batch's (``slots / latency_s(slots)``),
+        or ``1 / per_request_s`` without a batch bound."""
+        if self.slots is None:
+            return 1.0 / self.per_request_s
+        return self.slots / self.latency_s(self.slots)
 
-    def latency_s(self, n: int) -> float:
+    def latency_s(self, n: float) -> float:
         """Predicted latency of a request sharing the server with ``n`` requests, itself included."""
-        return self.base_s + self.per_request_s * (max(1, n) - 1)
+        n = max(1.0, n)
+        line = self.base_s + self.per_request_s * (n - 1.0)
+        if self.slots is None or n <= self.slots:
+            return line
+        return max(line, (self.base_s + self.per_request_s * (self.slots - 1.0)) * n / self.slots)
+
+    def max_within(self, limit_s: float) -> int:
+        """The most requests in flight at which ``latency_s`` is at most ``limit_s``; at least 1."""
+        n_line = math.floor((limit_s - self.base_s) / self.per_request_s + 1e-9) + 1
+        if self.slots is None or n_line <= self.slots:
+            return max(1, n_line)
+        n_queue = math.floor(limit_s * self.slots / self.latency_s(self.slots) + 1e-9)
+        return max(1, min(n_line, n_queue))
 
     def copy(self) -> ServiceModel:
-        other = ServiceModel(self.base_s, self.per_request_s, self.window_s, self.alpha)
-        other._measured = list(self._measured)
+        other = ServiceModel(self.base_s, self.per_request_s, self.window_s, self.alpha, slots=self.slots)
+        other._measured = self._measured
+        other._sums = list(self._sums)
         return other
 
     def observe(self, now: float, latency_s: float, service_s: float) -> bool:
@@ -324,32 +364,39 @@ class ServiceModel:
         if not (latency_s > 0 and service_s > 0):
             return False
         m = max(1.0, latency_s / service_s)
-        alone = m < self.ALONE_BELOW
-        if alone:
-            self._sums[0] += latency_s - self.per_request_s * (m - 1.0)
-            self._sums[1] += 1
-        else:
-            x = m - 1.0
-            self._sums[2] += x * (latency_s - self.base_s)
-            self._sums[3] += x * x
+        x, y = m - 1.0, latency_s
+        if self.slots is not None and m > self.slots:  # it queued: the full batch it implies
+            x, y = self.slots - 1.0, latency_s * self.slots / m
+        w = self._window
+        w[0] += 1.0
+        w[1] += x
+        w[2] += y
+        w[3] += x * x
+        w[4] += x * y
         if self._opened_at is None or now < self._opened_at:  # the first one, or the clock went back
             self._opened_at = now
         # a built-in guess gives way to the first completion that measures it; then windows
-        if now - self._opened_at < self.window_s and self._measured[0 if alone else 1]:
+        if now - self._opened_at < self.window_s and self._measured:
             return False
-        base_sum, base_n, xy, xx = self._sums
-        if base_n:
-            self.base_s = self._fold(0, self.base_s, max(1e-3, base_sum / base_n))
-        if xx > 0:
-            self.per_request_s = self._fold(1, self.per_request_s, max(1e-3, xy / xx))
-        self._opened_at, self._sums = None, [0.0, 0.0, 0.0, 0.0]
+        keep = 1.0 - self.alpha
+        self._sums = [keep * s + v for s, v in zip(self._sums, w)]
+        self._opened_at, self._window, self._measured = None, [0.0] * 5, True
+        self._fit()
         return True
 
-    def _fold(self, i: int, old: float, sample: float) -> float:
-        if not self._measured[i]:
-            self._measured[i] = True
-            return sample
-        return old + self.alpha * (sample - old)
+    def _fit(self) -> None:
+        n, sx, sy, sxx, sxy = self._sums
+        if n <= 0:
+            return
+        mx, my = sx / n, sy / n
+        cxx = max(0.0, sxx - n * mx * mx)
+        cxy = sxy - n * mx * my
+        slope = max(self.MIN_SLOPE, (cxy + self.RIDGE * self.per_request_s) / (cxx + self.RIDGE))
+        base = my - slope * mx
+        if base < 1e-3:  # the slope would put the line through zero before n = 1: pivot on the mean
+            base = 1e-3
+            slope = max(self.MIN_SLOPE, (my - base) / mx) if mx > 0 else slope
+        self.base_s, self.per_request_s = base, slope
 
 
 # A class is shut out only while the classes above it arrive faster than the server completes
@@ -564,9 +611,10 @@ class AdmissionController:
 
     def _prior(self, slo: SloConfig, settings: AdmissionConfig) -> ServiceModel:
         if settings.prior_rate_per_s is not None:
-            return ServiceModel.from_rate(settings.prior_rate_per_s, settings.rate_window_s, settings.rate_alpha)
+            return ServiceModel.from_rate(settings.prior_rate_per_s, settings.rate_window_s, settings.rate_alpha,
+                                          slots=self.slots)
         base_s, per_request_s = default_prior(slo, self.slots)
-        return ServiceModel(base_s, per_request_s, settings.rate_window_s, settings.rate_alpha)
+        return ServiceModel(base_s, per_request_s, settings.rate_window_s, settings.rate_alpha, slots=self.slots)
 
     @property
     def model(self) -> ServiceModel:
@@ -585,6 +633,7 @@ class AdmissionController:
         for model in self._models.values():
             model.window_s = settings.rate_window_s
             model.alpha = settings.rate_alpha
+            model.slots = self.slots
         for arrivals in self._arrivals:
             arrivals.tau_s = settings.reserve_window_s
         if settings.refusal_window_s != self._refusals.window_s:
@@ -602,6 +651,9 @@ class AdmissionController:
         if (slots, model) == (self.slots, self.model_replicas):
             return False
         self.slots, self.model_replicas = slots, int(model)
+        for m in self._models.values():  # the knee of each level's latency model moves with the share
+            m.slots = slots
+        self._recompute()
         return True
 
     def set_level(self, level: int) -> bool:
@@ -736,8 +788,8 @@ class AdmissionController:
 
     def retry_after_s(self, ahead: int, cap: int) -> int:
         """``Retry-After`` for a refusal with ``ahead`` in flight and the class admitted below ``cap``."""
-        # completions needed before this class fits again, one per_request_s each
-        drain_s = (ahead + 1 - cap) * self.model.per_request_s
+        # completions needed before this class fits again, at the saturation rate
+        drain_s = (ahead + 1 - cap) / self.model.rate_per_s
         lo, hi = self.settings.min_retry_after_s, self.settings.max_retry_after_s
         return min(hi, max(lo, math.ceil(drain_s - 1e-9)))
 
@@ -754,18 +806,15 @@ class AdmissionController:
             self._recompute()
 
     def _recompute(self) -> None:
-        # admitted iff overhead + base + per_request * ahead <= overhead + share * budget
-        base, per = self.model.base_s, self.model.per_request_s
-        self._caps = tuple(
-            max(1, math.floor((share * self.budget_s - base) / per + 1e-9) + 1) for share in self._shares
-        )
+        # admitted iff overhead + latency_s(ahead + 1) <= overhead + share * budget
+        self._caps = tuple(self.model.max_within(share * self.budget_s) for share in self._shares)
         self._limits: tuple[float | None, tuple[int, ...] | None] = (None, None)  # `_reserved`'s cache
 
     # -- what the ingress reads --------------------------------------------------------------
 
     @property
     def rate_per_s(self) -> float:
-        """Completions per second at saturation (``1 / per_request_s``)."""
+        """Completions per second at saturation (a full batch's: `ServiceModel.rate_per_s`)."""
         return self.model.rate_per_s
 
     def max_admitted(self, criticality: Criticality = Criticality.CRITICAL) -> int:
@@ -781,7 +830,7 @@ class AdmissionController:
 
     def drain_s(self, in_flight: int) -> float:
         """Seconds for ``in_flight`` requests to drain at the saturation rate."""
-        return in_flight * self.model.per_request_s
+        return in_flight / self.model.rate_per_s
 
     def _smoothed_in_flight(self, in_flight: int, now: float) -> float:
         """The requests in flight averaged over ``wait_smoothing_s`` (an exponential average of
@@ -806,8 +855,9 @@ class AdmissionController:
         """This replica's early signals for the policy actor (names from policies.config.SIGNALS).
 
         ``predicted_wait_ms``: the queueing delay a request arriving now would see
-        (``per_request_s * in_flight``), on the scale of the SLO: multiplied by ``e2e /
-        (e2e - base_s)``, the SLO over the room that the unloaded latency leaves for queueing.
+        (``latency_s(in_flight + 1) - latency_s(1)``), on the scale of the SLO: multiplied by
+        ``e2e / (e2e - latency_s(1))``, the SLO over the room that the unloaded latency leaves
+        for queueing.
         So it reaches the SLO exactly when a request arriving now would finish at the SLO,
         whatever the unloaded latency, and a level triggered at a fraction of the SLO fires when
         queueing has used that fraction of the room. Where one request alone takes little of the
@@ -825,8 +875,10 @@ class AdmissionController:
         ``refusal_window_s`` that refused for capacity (see the module docstring).
         """
         model = self.model
-        room_s = max(self.e2e_s - model.base_s, 0.05 * self.e2e_s)
-        wait_s = model.per_request_s * self._smoothed_in_flight(in_flight, now) * self.e2e_s / room_s
+        alone_s = model.latency_s(1)
+        room_s = max(self.e2e_s - alone_s, 0.05 * self.e2e_s)
+        queued_s = model.latency_s(self._smoothed_in_flight(in_flight, now) + 1.0) - alone_s
+        wait_s = queued_s * self.e2e_s / room_s
         return {
             "predicted_wait_ms": round(wait_s * 1000.0, 1),
             "model_queued": round(max(0, in_flight - self.slots) / self.model_replicas, 3),
@@ -836,19 +888,20 @@ class AdmissionController:
 
 def default_prior(slo: SloConfig, slots: int) -> tuple[float, float]:
     """The cold-start model when no ``prior_rate_per_s`` is configured, as ``(base_s,
-    per_request_s)``: one request alone takes half the SLO, and a full batch completes within
-    the other half (``per_request_s = e2e / 2 / slots``).
+    per_request_s)``: one request alone takes half the SLO, and a full batch the whole SLO
+    (``per_request_s = e2e / 2 / (slots - 1)``).
 
     An SLO is set so that one request alone meets it comfortably; these admit about one batch
-    before the first measurement, and the first completion that measures each replaces it.
+    before the first measurement, and the first window of completions replaces them.
     """
     e2e_s = slo.e2e_p99_ms / 1000.0
-    return e2e_s / 2.0, e2e_s / 2.0 / slots
+    return e2e_s / 2.0, e2e_s / 2.0 / max(1, slots - 1)
 
 
 def default_prior_rate(slo: SloConfig, slots: int) -> float:
-    """The saturation rate of `default_prior`: a full batch in half the SLO."""
-    return 1.0 / default_prior(slo, slots)[1]
+    """The saturation rate of `default_prior`: a full batch of ``slots`` within the SLO."""
+    base_s, per_request_s = default_prior(slo, slots)
+    return ServiceModel(base_s, per_request_s, slots=slots).rate_per_s
 
 
 def queue_caps(

@@ -79,8 +79,9 @@ SIGNAL_AGGREGATION: Mapping[str, Literal["sum", "max"]] = {
     #                         model replicas serving (`AdmissionController.set_replicas`), so
     #                         the sum is one engine's share of the waiting, as triggers expect
     "predicted_wait_ms": "max",  # the ingress admission controller's predicted queueing delay:
-    #                              the service model's per-request time x requests in flight
-    #                              (averaged over admission.wait_smoothing_s), scaled so it
+    #                              the service model's latency with the requests in flight
+    #                              ahead less its latency alone (the count averaged over
+    #                              admission.wait_smoothing_s), scaled so it
     #                              reaches the SLO when a new request would miss it
     "refused_ratio": "max",  # 0-1, share of requests an ingress refused at the door for capacity
     #                          (429/503) over admission.refusal_window_s: demand beyond what
@@ -329,15 +330,16 @@ class AdmissionConfig(_Strict):
         default=None, gt=0.0, allow_inf_nan=False,
         description="cold-start service rate (completions/s at full load; 1/rate per request) until "
         "the service model has a measurement; "
-        "null: max_num_seqs / (e2e_p99 / 2), i.e. a full batch takes half the SLO",
+        "null: one request alone takes half of e2e_p99 and a full batch of max_num_seqs all of it",
     )
     rate_window_s: float = Field(
         default=1.0, gt=0.0, le=60.0, allow_inf_nan=False,
-        description="served requests' (latency, concurrency) points are averaged over windows this long",
+        description="served requests' (latency, concurrency) points are gathered over windows this long",
     )
     rate_alpha: float = Field(
         default=0.3, gt=0.0, le=1.0, allow_inf_nan=False,
-        description="EWMA weight of the newest window's fit of the service model",
+        description="at each window's close the service model's earlier points fade by 1 - this "
+        "and the line is refitted",
     )
     reserve_quantile: float = Field(
         default=0.99, ge=0.0, lt=1.0, allow_inf_nan=False,

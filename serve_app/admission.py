@@ -307,6 +307,8 @@ class AdmissionGate:
         self.replicas = (int(model), int(ingress))
         if self.controller is not None:
             self.controller.set_replicas(model, ingress)
+        if self._queue:  # a larger share of the batches may have room for those waiting
+            self._hand_over()
 
     def set_level(self, level: int) -> None:
         """The degradation level in force, as the ingress last fetched it: admission uses that
@@ -314,6 +316,8 @@ class AdmissionGate:
         self.level = int(level)
         if self.controller is not None:
             self.controller.set_level(self.level)
+        if self._queue:  # that level's caps may have room for those waiting at the door
+            self._hand_over()
 
     def _refusal(self, d: Decision) -> RequestError:
         reason, klass = d.reason, d.criticality.value

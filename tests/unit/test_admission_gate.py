@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 
@@ -83,29 +84,30 @@ def test_header_lowers_never_raises_and_a_bad_value_is_a_400_naming_it() -> None
 def test_release_is_idempotent_and_only_served_requests_measure_the_model() -> None:
     clock = FakeClock()
     g = AdmissionGate(max_num_seqs=16, clock=clock)
-    # the built-in prior (a guess: 1 s alone, 1/16 s per request) gives way to measurements;
-    # switched off, admission admits everything and goes on measuring
+    # the built-in prior (a guess: 1 s alone, a full batch of 16 in 2 s) gives way to
+    # measurements; switched off, admission admits everything and goes on measuring
     g.configure(parse_policy({**SLO_POLICY, "admission": {"overhead_ms": 100, "enabled": False}}))
     t = g.admit(None)
     g.release(t, served=False)
     g.release(t, served=True)
     assert g.in_flight == 0
 
-    def two_at_a_time(served: bool) -> None:
-        for _ in range(10):  # pairs admitted together, 3 s each: 1.5 s of service apiece
-            pair = [g.admit(None), g.admit(None)]
-            clock.advance(3.0)
-            for ticket in pair:
+    def at_a_time(k: int, served: bool) -> None:
+        for _ in range(10):  # k admitted together; the engine's line: 1 s alone, 2 s per extra request
+            group = [g.admit(None) for _ in range(k)]
+            clock.advance(1.0 + 2.0 * (k - 1))
+            for ticket in group:
                 g.release(ticket, served=served)
 
-    two_at_a_time(served=False)  # aborts and errors say nothing about capacity
-    assert g.controller.rate_per_s == 16
-    two_at_a_time(served=True)
-    # shared by 2, 3 s each, 1 s alone (the prior): (3 - 1) / (2 - 1) = 2 s per request
-    assert g.controller.model.per_request_s == pytest.approx(2.0)
-    assert g.state()["per_request_s"] == 2.0 and g.drain_s() == 1
-    fill(g, 2)
-    assert g.drain_s() == 4
+    at_a_time(2, served=False)  # aborts and errors say nothing about capacity
+    assert g.controller.rate_per_s == pytest.approx(8.0)
+    at_a_time(1, served=True)
+    at_a_time(2, served=True)
+    model = g.controller.model
+    assert model.per_request_s == pytest.approx(2.0, rel=0.1) and model.base_s == pytest.approx(1.0, abs=0.15)
+    assert g.state()["per_request_s"] == round(model.per_request_s, 3) and g.drain_s() == 1
+    fill(g, 2)  # 2 in flight drain at a full batch's rate, 16 / (1 + 2 * 15) per second
+    assert g.drain_s() == math.ceil(2 / g.controller.rate_per_s) == 4
 
 
 def test_the_level_in_force_selects_its_own_model() -> None:
@@ -327,6 +329,31 @@ def test_a_client_that_goes_away_while_waiting_takes_no_slot() -> None:
         assert g.state()["queued"] == 0
         g.release(tickets[0], served=False)
         assert g.in_flight == 18 and g.refused == {}
+
+    asyncio.run(scenario())
+
+
+def test_a_level_whose_caps_have_room_lets_the_line_in_without_waiting_for_a_release() -> None:
+    async def scenario() -> None:
+        clock = FakeClock()
+        g = AdmissionGate(max_num_seqs=16, clock=clock)
+        g.set_level(2)
+        g.configure(parse_policy(SLO_POLICY))
+        for _ in range(5):  # level 2 measured slow: pairs take 1.5 s
+            pair = [g.admit(None), g.admit(None)]
+            clock.advance(1.5)
+            for ticket in pair:
+                g.release(ticket, served=True)
+        slow = g.controller.max_admitted(Criticality.CRITICAL)
+        assert slow < 19
+        fill(g, slow)
+        waits = asyncio.ensure_future(g.admit_waiting(None, base=Criticality.CRITICAL))
+        await asyncio.sleep(0)
+        assert g.state()["queued"] == 1 and not waits.done()
+        g.set_level(0)  # level 0's model (its prior, 10/s) admits up to 19: no release needed
+        ticket = await asyncio.wait_for(waits, 5)
+        assert ticket.criticality is Criticality.CRITICAL and g.in_flight == slow + 1
+        assert g.state()["queued"] == 0 and g.refused == {}
 
     asyncio.run(scenario())
 
