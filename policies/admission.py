@@ -342,7 +342,7 @@ class ServiceModel:
         line = self.base_s + self.per_request_s * (n - 1.0)
         if self.slots is None or n <= self.slots:
             return line
-        return max(line, (self.base_s + self.per_request_s * (self.slots - 1.0)) * n / self.slots)
+        return max(line, self.latency_s(self.slots) * n / self.slots)
 
     def max_within(self, limit_s: float) -> int:
         """The most requests in flight at which ``latency_s`` is at most ``limit_s``; at least 1."""
