@@ -126,8 +126,8 @@ class AdmissionGate:
         else:
             self.controller.update(slo, settings)
         self.enabled = self.controller is not None and settings.enabled
-        if self._queue and not self.enabled:
-            self._hand_over()  # nobody waits at a door that is no longer kept
+        if self._queue:  # a door no longer kept lets everyone in; caps that grew let some in
+            self._hand_over()
 
     def admit(self, criticality_header: str | None, base: Criticality | None = None) -> Ticket:
         """Admit the request or raise the `RequestError` that refuses it (400 for a bad header)."""

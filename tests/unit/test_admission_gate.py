@@ -358,6 +358,23 @@ def test_a_level_whose_caps_have_room_lets_the_line_in_without_waiting_for_a_rel
     asyncio.run(scenario())
 
 
+def test_a_reloaded_policy_whose_caps_have_room_lets_the_line_in_without_waiting_for_a_release() -> None:
+    async def scenario() -> None:
+        g = gate()
+        fill(g, 19)  # critical's cap at a 2 s SLO
+        waits = [asyncio.ensure_future(g.admit_waiting(None, base=Criticality.CRITICAL)) for _ in range(2)]
+        await asyncio.sleep(0)
+        assert g.state()["queued"] == 2
+        g.configure(parse_policy({**SLO_POLICY, "slo": {"e2e_p99_ms": 2100}}))  # 2.0 s budget: cap 20
+        first = await asyncio.wait_for(waits[0], 5)
+        assert first.criticality is Criticality.CRITICAL and first.deadline_at == pytest.approx(1000.0 + 2.1)
+        await asyncio.sleep(0)
+        assert g.in_flight == 20 and g.state()["queued"] == 1 and not waits[1].done()  # the cap holds
+        waits[1].cancel()
+
+    asyncio.run(scenario())
+
+
 def test_waiting_requests_are_let_in_when_admission_is_switched_off() -> None:
     async def scenario() -> None:
         g = gate()
