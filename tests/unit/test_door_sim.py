@@ -1,0 +1,40 @@
+"""bench/door_sim.py: the door simulation is seeded, accounts for every request, and says why a
+bad argument is bad."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import door_sim
+
+
+def run(setting: door_sim.Setting = door_sim.Setting(), **kw: object) -> dict:
+    return door_sim.simulate(setting, rate=12.0, seed=7, seconds=10.0, calm_s=5.0, **kw)  # type: ignore[arg-type]
+
+
+def test_the_same_seed_gives_the_same_run_and_every_request_is_accounted_for() -> None:
+    a, b = run(), run()
+    assert a == b
+    for counts in a["counts"].values():
+        assert counts["offered"] == counts["refused"] + counts["late"] + counts["on_time"]
+    assert sum(c["refused"] for c in a["counts"].values()) > 0  # 12 req/s is past what it serves
+
+
+def test_a_larger_share_for_the_lower_classes_sheds_less_of_them() -> None:
+    narrow = door_sim.summarize([run(door_sim.Setting(shares=(1.0, 0.6, 0.4)))])
+    wide = door_sim.summarize([run(door_sim.Setting(shares=(1.0, 1.0, 1.0)))])
+    assert wide["shed"]["sheddable"] < narrow["shed"]["sheddable"]
+
+
+def test_engine_shapes() -> None:
+    for shape in ("concave", "linear", "convex"):
+        assert door_sim.engine_latency(1, shape) == pytest.approx(0.78)
+        assert door_sim.engine_latency(32, shape) == pytest.approx(2 * door_sim.engine_latency(16, shape))
+    with pytest.raises(ValueError, match="shape: unknown 'flat'"):
+        door_sim.engine_latency(2, "flat")
+
+
+def test_shares_need_three_values(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        door_sim.main(["--shares", "1,0.9", "--seeds", "1"])
+    assert "--shares: need three values" in capsys.readouterr().err
