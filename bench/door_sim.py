@@ -25,7 +25,8 @@ noise, and what they trade, not what the machine will serve.
 Usage::
 
     .venv/bin/python bench/door_sim.py --rate 12.9 --scale 0.95 --shares 1,0.9,0.75 --shares 1,0.9,0.9
-    .venv/bin/python bench/door_sim.py --preset issue10 --json bench/results/door_sim_shares.json
+    .venv/bin/python bench/door_sim.py --preset issue10 --shares 1,0.9,0.75 --shares 1,0.9,0.9 \\
+        --shares 1,1,1 --json bench/results/door_sim_shares.json
 """
 
 from __future__ import annotations
@@ -158,11 +159,17 @@ def summarize(runs: list[dict]) -> dict:
     }
 
 
-# The scenarios of issue 10's benchmark on this machine's days: (name, rate req/s, engine scale).
-# "today": 2026-12-02's C0 4.31 req/s (1.5 x = 6.46, 3 x = 12.9), one request alone 0.75 s.
-PRESETS = {
-    "issue10": [("1.5 x C0", 6.46, 0.95), ("3 x C0", 12.93, 0.95)],
+# Issue 10's benchmark phases on three days of this machine: (name, rate req/s, engine scale),
+# the scale set so that one request alone takes what that day's runs measured (0.78 s at 1).
+DAYS = {
+    "12-01": ("C0 5.89 req/s, one request alone 0.76 s", 5.89, 1.0),
+    "12-02": ("C0 4.31 req/s, one request alone 0.75 s", 4.31, 0.95),
+    "12-02-slow": ("C0 2.34 req/s, one request alone 0.85-1.02 s", 2.34, 1.15),
 }
+PRESETS = {
+    day: [(f"{day} {x:g} x C0", round(x * c0, 2), scale) for x in (1.0, 1.5, 3.0)] for day, (_, c0, scale) in DAYS.items()
+}
+PRESETS["issue10"] = [row for day in DAYS for row in PRESETS[day] if not row[0].endswith(" 1 x C0")]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,13 +200,14 @@ def main(argv: list[str] | None = None) -> int:
             row = {"scenario": name, "rate": rate, "scale": scale, "shape": args.shape, "setting": s.label,
                    **summarize(runs)}
             results.append(row)
-            print(f"{name:>10}  {s.label:42}  goodput {row['goodput_rps']:5.2f}  within {row['within_slo']:.3f}  "
+            print(f"{name:>18}  {s.label:42}  goodput {row['goodput_rps']:5.2f}  within {row['within_slo']:.3f}  "
                   f"critical {row['critical_within_slo']:.3f} ({row['critical_refused']} refused, "
                   f"{row['critical_late']} late of {row['critical_offered']})  late {row['late_share']:.3f}  "
                   f"shed {row['shed']}  in flight {row['in_flight_median']:g}")
     if args.json:
         meta = {"command": "bench/door_sim.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                "seeds": args.seeds, "noise": args.noise, "drift": args.drift, "model": "see bench/door_sim.py"}
+                "seeds": args.seeds, "noise": args.noise, "drift": args.drift, "model": "see bench/door_sim.py",
+                "days": {day: note for day, (note, _, _) in DAYS.items()}}
         args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
     return 0
 
