@@ -363,7 +363,7 @@ def test_under_overload_the_door_settles_where_the_engine_holds_the_slo_not_belo
     part above. Fitted where the service runs, with the batch's knee, the door holds what the
     engine serves within the shares (this simulation of that run: 4 in flight, 3.3 req/s with
     the anchored line). Sheddable is still shed first, critical barely at all."""
-    slo = SloConfig(e2e_p99_ms=2000, class_share={"critical": 1.0, "standard": 0.9, "sheddable": 0.75})
+    slo = SloConfig(e2e_p99_ms=2000, class_share={"critical": 1.0, "standard": 0.9, "sheddable": 0.9})
     ctl = AdmissionController(slo, AdmissionConfig(overhead_ms=100), slots=16)
     run = overload_at_the_door(ctl, rate=17.7, seconds=60.0, seed=seed)
     best = max(n for n in range(1, 40) if concave(n) <= 0.9 * 1.9)  # standard's share: 16
