@@ -163,7 +163,8 @@ def _audited(deployed: Cluster, http: httpx.Client, ids: set[str], expected: set
     """The client ids of every audit record of this run, once the deferred ones have arrived:
     nothing left in the spool and every ``expected`` id on disk, or ``timeout_s`` passed. (An
     empty spool alone is not enough: a record handed to the audit log replica may still be on its
-    way to the file; in one CI run the check read the files before any of them had landed.)"""
+    way to the file; in one CI run none of the answered requests' records were on disk when the
+    check returned, and the test passed alone right after.)"""
     from deployments.enrichments.audit_log import read_all
 
     deadline = time.monotonic() + timeout_s
