@@ -16,7 +16,8 @@ settings at once:
   engine's speed drifts as a random walk every 5 s (``--drift``), within 0.75-1.4;
 - the gate's critical wait (`serve_app.admission`: a critical request at a full door waits up to
   ``critical_wait_share`` of the SLO for a freed slot); a request is on time when its latency
-  plus ``--overhead-ms`` (time outside the gate) is within the SLO. Preemption is not modelled
+  plus ``overhead_ms`` (50 ms outside the gate; the door itself assumes its shipped 100 ms) is
+  within the SLO. Preemption is not modelled
   (the engine starts every admitted request at once).
 
 It is a model, not a measurement: it says how settings rank against each other under the same

@@ -46,8 +46,9 @@ def new_engine_core_pid(old_replica: int, within_s: float = 60.0) -> tuple[int, 
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         replica = model_stats()["pid"]
-        if replica != old_replica and len(_engine_cores(replica)) == 1:
-            return replica, _engine_cores(replica)[0].pid
+        cores = _engine_cores(replica) if replica != old_replica else []
+        if len(cores) == 1:
+            return replica, cores[0].pid
         time.sleep(1.0)
     return engine_core_pid()  # its assertion names what is there
 

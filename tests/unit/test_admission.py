@@ -22,6 +22,7 @@ from policies.admission import (
     queue_caps,
     should_drop,
 )
+from bench.door_sim import engine_latency
 from policies.config import AdmissionConfig, SloConfig, parse_policy
 
 C, S, D = Criticality.CRITICAL, Criticality.STANDARD, Criticality.SHEDDABLE
@@ -308,9 +309,9 @@ def test_light_load_does_not_hide_the_capacity_at_full_load() -> None:
 
 def concave(n: float) -> float:
     """A batching engine's latency (the shape measured on 2 cores): 0.78 s alone, a steep rise to
-    about 1.3 s at 4 in flight, then nearly flat to the batch of 16, queueing past it."""
-    within = 0.78 + 0.55 * (1.0 - math.exp(-(min(n, 16) - 1) / 1.5)) + 0.02 * (min(n, 16) - 1)
-    return within * max(1.0, n / 16)
+    about 1.3 s at 4 in flight, then nearly flat to the batch of 16, queueing past it. The door
+    simulator's engine (`bench.door_sim.engine_latency`), so the two cannot drift apart."""
+    return engine_latency(n, "concave")
 
 
 def overload_at_the_door(ctl: AdmissionController, rate: float, seconds: float, seed: int,
