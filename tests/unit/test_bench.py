@@ -534,6 +534,57 @@ def test_ratios_report_refusals_and_classes_of_the_3x_run() -> None:
     assert "critical 100%/0%" in lines and "shed order ok: yes" in lines
 
 
+def test_repeat_figures_judge_each_repeat_against_its_own_c3_and_pool_the_classes() -> None:
+    from bench import overload
+
+    def run3x(name: str, critical_late: int) -> dict:  # type: ignore[type-arg]
+        records = []
+        for i in range(60):
+            crit = ("critical", "standard", "sheddable")[i % 3]
+            shed = crit == "sheddable" or (crit == "standard" and i % 2 == 0)
+            late = crit == "critical" and i // 3 < critical_late
+            r = rec(i, i * 0.2, i * 0.2 + (0.02 if shed else 2.5 if late else 1.5), 429 if shed else 200, crit=crit)
+            records.append(r)
+        return rep.run_report(name, RunResult(constant(5.0, 12.0), records, [], 0.0, 1), 2000.0, load="3x")
+
+    def run15(name: str, good_s: float) -> dict:  # type: ignore[type-arg]
+        records = [rec(i, i * 0.5, i * 0.5 + good_s) for i in range(20)]
+        return rep.run_report(name, RunResult(constant(2.0, 10.0), records, [], 0.0, 1), 2000.0, load="1.5x")
+
+    runs = [run15("adaptive @1.5x", 1.0), run3x("adaptive @3x", 0),
+            run15("adaptive @1.5x #2", 1.5), run3x("adaptive @3x #2", 1),
+            run15("adaptive @1.5x #3", 3.0), run3x("adaptive @3x #3", 0)]
+    capacity = {"C3": {"capacity_rps": 4.0}, "C3 #2": {"capacity_rps": 2.0}, "C3 #3": {"capacity_rps": 4.0}}
+    out = overload.repeat_figures(runs, capacity, 2000.0)
+    assert out is not None
+    rows = out["per_repeat"]
+    assert [r["repeat"] for r in rows] == [1, 2, 3] and [r["C3_rps"] for r in rows] == [4.0, 2.0, 4.0]
+    g1 = runs[1]["overall"]["goodput_rps"]
+    assert rows[0]["goodput at 3xC0 / C3"] == round(g1 / 4.0, 3)  # each against the C3 beside it
+    assert rows[1]["goodput at 3xC0 / C3"] == round(runs[3]["overall"]["goodput_rps"] / 2.0, 3)
+    assert rows[0]["critical within the SLO at 3xC0"] == 1.0 and rows[1]["critical within the SLO at 3xC0"] == 0.95
+    assert [r["within the SLO at 1.5xC0"] for r in rows] == [1.0, 1.0, 0.0]
+    assert out["median"]["within the SLO at 1.5xC0"] == 1.0
+    assert out["median"]["p99 at 1.5xC0 / SLO"] == rows[1]["p99 at 1.5xC0 / SLO"]
+    # pooled: 60 critical requests, one late; 99% fails on the pool as it does in repeat 2
+    crit = out["pooled_3x"]["critical"]
+    assert crit["requests"] == 60 and crit["good"] == 59 and crit["good_ratio"] == round(59 / 60, 4)
+    assert out["pooled_3x_critical_good_ok"] is False and out["pooled_3x_shed_order_ok"] is True
+    # one repeat: nothing to add to the ratios
+    assert overload.repeat_figures(runs[:2], capacity, 2000.0) is None
+
+
+def test_adaptive_repeats_must_be_one_or_more() -> None:
+    import argparse
+
+    from bench import overload
+
+    args = argparse.Namespace(quick=True, slo_ms=2000.0, bisect=None, run_s=None, drain_s=None, max_tokens=16,
+                              no_mix=False, mix=None, seed=None, no_progress=True, only=None, adaptive_repeats=0)
+    with pytest.raises(SystemExit, match="--adaptive-repeats: 0"):
+        overload.Plan(args)
+
+
 def test_rel_diff_and_staged_probe_sizes() -> None:
     import argparse
 
