@@ -98,20 +98,24 @@ def policy_features(deployed: Cluster) -> set[str]:
 
 
 def refuse_some_admission(deployed: Cluster, http: httpx.Client) -> None:
-    """Concurrent sheddable requests until the door refuses one (429/503): sheddable work may
-    use 75% of the SLO, which on this machine a few requests in flight exceed."""
-    for _ in range(3):
+    """Concurrent sheddable requests, 8, then 16, then 32 at once, until the door refuses one
+    (429/503). Sheddable work may use 90% of the SLO; how many requests in flight that admits
+    follows the machine's speed (on a fast hour 8 fitted: seen in CI). 32 is twice the engine's
+    batch: admitted, the last of them would wait for a whole batch of 32-token answers to finish
+    first and then run its own, which the door's Little's-law bound refuses past the budget."""
+    codes: list[int] = []
+    for n in (8, 16, 32):
         def send(_: int) -> int:
             body = {"model": MODEL, "messages": [{"role": "user", "content": gibberish()}], "max_tokens": 32,
                     "ignore_eos": True}
             with deployed.client() as c:
                 return c.post(CHAT, json=body, headers={"X-Brownout-Criticality": "sheddable"}).status_code
 
-        with cf.ThreadPoolExecutor(8) as pool:
-            codes = list(pool.map(send, range(8)))
+        with cf.ThreadPoolExecutor(n) as pool:
+            codes = list(pool.map(send, range(n)))
         if {429, 503} & set(codes):
             return
-    raise AssertionError(f"8 concurrent sheddable requests were never refused at the door: {codes}")
+    raise AssertionError(f"up to 32 concurrent sheddable requests were never refused at the door: {codes}")
 
 
 def test_every_metric_the_dashboard_queries_is_exported(deployed: Cluster, http: httpx.Client) -> None:
