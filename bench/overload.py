@@ -1098,11 +1098,11 @@ def repeat_figures(runs: Sequence[dict[str, Any]], capacity: dict[str, Any], slo
         k += 1
     if len(rows) < 2:
         return None
-    keys = [k for k in rows[0] if k not in ("repeat", "C3_rps", "shed order at 3xC0")]
     medians = {}
-    for key in keys:
-        vals = sorted(r[key] for r in rows if r.get(key) is not None)
-        medians[key] = None if not vals else round(percentile(vals, 50), 4)
+    for key in rows[0]:
+        if key not in ("repeat", "C3_rps", "shed order at 3xC0"):
+            median = percentile([r[key] for r in rows if r.get(key) is not None], 50)  # None if none
+            medians[key] = None if median is None else round(median, 4)
     per_class = {c: {**v, "good_ratio": round(v["good"] / v["requests"], 4) if v["requests"] else None,
                      "shed_ratio": round(v["shed"] / v["requests"], 4) if v["requests"] else None}
                  for c, v in pooled.items()}

@@ -103,14 +103,14 @@ def refuse_some_admission(deployed: Cluster, http: httpx.Client) -> None:
     follows the machine's speed (on a fast hour 8 fitted: seen in CI). 32 is twice the engine's
     batch: admitted, the last of them would wait for a whole batch of 32-token answers to finish
     first and then run its own, which the door's Little's-law bound refuses past the budget."""
+    def send(_: int) -> int:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": gibberish()}], "max_tokens": 32,
+                "ignore_eos": True}
+        with deployed.client() as c:
+            return c.post(CHAT, json=body, headers={"X-Brownout-Criticality": "sheddable"}).status_code
+
     codes: list[int] = []
     for n in (8, 16, 32):
-        def send(_: int) -> int:
-            body = {"model": MODEL, "messages": [{"role": "user", "content": gibberish()}], "max_tokens": 32,
-                    "ignore_eos": True}
-            with deployed.client() as c:
-                return c.post(CHAT, json=body, headers={"X-Brownout-Criticality": "sheddable"}).status_code
-
         with cf.ThreadPoolExecutor(n) as pool:
             codes = list(pool.map(send, range(n)))
         if {429, 503} & set(codes):
