@@ -3,9 +3,10 @@
 `AdmissionGate` wraps the pure rule (`policies.admission.AdmissionController`) with what only
 the ingress knows: how many requests it has admitted that have not finished yet (``in_flight``:
 from admission until the model's last token, open streams included), which of them the model
-actually served (only those feed the service model), each request's share of the server while
-it was in flight (`policies.admission.ShareClock`), the degradation level in force (`set_level`:
-each level has its own measured model), and the HTTP shape of a refusal.
+actually served (only those feed the service model, and only that of the level they were
+admitted at), each request's share of the server while it was in flight and how many were
+ahead of it (`policies.admission.ShareClock`, `ServiceModel.observe`), the degradation level in
+force (`set_level`: each level has its own measured model), and the HTTP shape of a refusal.
 
 A request is classified first (its key's tier once keys exist, else the policy's
 ``slo.default_class``; the ``X-Brownout-Criticality`` header may lower it, never raise it), then
@@ -74,6 +75,7 @@ class Ticket:
     admitted_at: float = 0.0
     ahead: int = 0  # requests admitted and unfinished when this one was admitted
     share_mark: float = 0.0  # the gate's ShareClock at admission: its own service time starts here
+    level: int = 0  # the degradation level in force at admission (whose service model it measures)
     released: bool = False
     preempted: bool = False  # a more important request took its place before the model started it
 
@@ -215,7 +217,7 @@ class AdmissionGate:
     def _ticket(self, criticality: Criticality, deadline_at: float | None, now: float, ahead: int) -> Ticket:
         self.in_flight += 1
         self.admitted[criticality.value] += 1
-        return Ticket(criticality, deadline_at, now, ahead, self.share.mark(now, self.in_flight))
+        return Ticket(criticality, deadline_at, now, ahead, self.share.mark(now, self.in_flight), level=self.level)
 
     def _hand_over(self) -> None:
         """Give freed slots to the critical requests waiting for one, first in line first, while
@@ -288,7 +290,10 @@ class AdmissionGate:
 
     def release(self, ticket: Ticket, served: bool) -> None:
         """The request is over. ``served``: the model computed its answer to the end (only
-        those measure the service rate; aborts, errors and cache answers do not)."""
+        those measure the service rate; aborts, errors and cache answers do not). A request
+        admitted at another level than the one in force now measures neither level's model:
+        its latency mixes the work of both (a request admitted at level 0 runs its enrichments,
+        and finishing after a step up to 3 it would read as a slow level 3)."""
         if ticket.released:
             return
         ticket.released = True
@@ -296,8 +301,8 @@ class AdmissionGate:
         self.in_flight -= 1
         now = self._clock()
         mark = self.share.mark(now, self.in_flight)
-        if served and self.controller is not None:
-            self.controller.observe_completion(now, now - ticket.admitted_at, mark - ticket.share_mark)
+        if served and self.controller is not None and ticket.level == self.level:
+            self.controller.observe_completion(now, now - ticket.admitted_at, mark - ticket.share_mark, ticket.ahead)
         if self._queue:
             self._hand_over()
 

@@ -938,3 +938,60 @@ def test_each_displaced_request_counts_as_a_refusal_for_the_level() -> None:
 def test_critical_wait_share_is_validated_naming_the_key(value: object) -> None:
     with pytest.raises(ValueError, match="critical_wait_share"):
         parse_policy({"slo": {"e2e_p99_ms": 2000}, "admission": {"critical_wait_share": value}})
+
+
+def drained_fifo(model: ServiceModel, use_ahead: bool, held: int = 96, rate: float = 17.3,
+                 seconds: float = 60.0, seed: int = 1) -> float:
+    """A batching engine behind no door: 16 slots served first come first served, each request
+    taking ``0.6 + 0.47 ln(b)`` s with ``b`` running (a full batch 1.9 s: 8.4 req/s), Poisson
+    arrivals at ``rate`` while fewer than ``held`` are in flight, then the queue drains. Every
+    completion goes to ``model`` (`ShareClock` shares; ``ahead`` when ``use_ahead``). Returns
+    the true full-batch rate."""
+    rng, share, slots, dt = random.Random(seed), ShareClock(), 16, 0.005
+
+    def batch_latency(b: int) -> float:
+        return 0.6 + 0.47 * math.log(max(1, b))
+
+    t, arrive, n = 0.0, rng.expovariate(rate), 0
+    queue: list[list[float]] = []  # [admitted, share mark, ahead, work done]
+    running: list[list[float]] = []
+    while t < seconds or queue or running:
+        t += dt
+        while arrive <= t and arrive < seconds:
+            if n < held:
+                n += 1
+                queue.append([arrive, share.mark(arrive, n), n - 1, 0.0])
+            arrive += rng.expovariate(rate)
+        while queue and len(running) < slots:
+            running.append(queue.pop(0))
+        step = dt / batch_latency(len(running))
+        for r in running:
+            r[3] += step
+        for r in [r for r in running if r[3] >= 1.0]:
+            running.remove(r)
+            n -= 1
+            mark = share.mark(t, n)
+            model.observe(t, t - r[0], mark - r[1], int(r[2]) if use_ahead else 0)
+    return slots / batch_latency(slots)
+
+
+def test_a_drained_queue_past_the_batch_does_not_read_as_a_slow_server() -> None:
+    # Admission off under 2 x overload, then the load stops: the requests left in the last
+    # seconds of the drain waited behind ~96, yet shared the server with few at the end
+    with_ahead, without = ServiceModel(0.7, 0.06, slots=16), ServiceModel(0.7, 0.06, slots=16)
+    true_rate = drained_fifo(with_ahead, use_ahead=True)
+    drained_fifo(without, use_ahead=False)
+    assert with_ahead.rate_per_s == pytest.approx(true_rate, rel=0.05)
+    assert without.rate_per_s < 0.8 * true_rate  # the time average alone: a third too slow
+
+
+def test_ahead_counts_only_past_the_batch() -> None:
+    a, b = ServiceModel(1.0, 0.1, slots=16), ServiceModel(1.0, 0.1, slots=16)
+    for t in range(5):  # within the batch the time average decides, whatever was ahead
+        a.observe(float(t), 2.0, 0.5, ahead=15)
+        b.observe(float(t), 2.0, 0.5, ahead=0)
+    assert (a.base_s, a.per_request_s) == (b.base_s, b.per_request_s)
+    c, d = ServiceModel(1.0, 0.1, slots=16), ServiceModel(1.0, 0.1, slots=16)
+    c.observe(0.0, 6.0, 0.5, ahead=47)  # past it: shared with at least 48, a full batch in 2 s
+    d.observe(0.0, 6.0, 0.5, ahead=0)  # shared with 12 on average: 6 s within the batch
+    assert c.latency_s(16) == pytest.approx(2.0) and d.latency_s(12) == pytest.approx(6.0)
