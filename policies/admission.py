@@ -126,8 +126,8 @@ Wiring (the ingress)::
         ...
     in_flight += 1; mark = share.mark(now, in_flight)   # a ShareClock; request["priority"] = klass.vllm_priority
     ...; in_flight -= 1; end = share.mark(time.time(), in_flight)
-    admission.observe_completion(time.time(), latency_s, end - mark, ahead)   # served by the model only,
-    #     and admitted at the level in force: one that lived through a level change measures neither
+    admission.observe_completion(time.time(), latency_s, end - mark)   # served by the model only, and
+    #     admitted at the level in force (one that lived through a level change measures neither)
     admission.set_level(level)               # whenever the level in force changes
     # on reconfigure(): admission.update(policy.slo, policy.admission or AdmissionConfig())
     # the model deployment, before the engine starts a request:
@@ -364,14 +364,18 @@ class ServiceModel:
         ``ahead`` requests in flight when it was admitted. True when a window closed and the
         model moved.
 
-        Past the batch (``ahead + 1 > slots``) the request shared the server with at least the
-        ``ahead + 1`` it was admitted among: it waited for those before it. The time average
-        ``L / S`` undercounts them when the queue drains before it finishes: the requests that
-        remain in its last seconds are few, their ``1 / n`` shares inflate ``S``, and the point
-        reads a long latency at a low concurrency. Measured on a model of a batching engine (a
-        FIFO of 16 slots, 17 req/s offered at 8.4 req/s of capacity, 96 held, then drained):
-        the line ended at 6.0 req/s from the drain alone, at 8.4 with this bound. So ``m`` is
-        at least ``ahead + 1`` there; within the batch it is ``L / S`` alone."""
+        Past the batch (``ahead + 1 > slots``) a request admitted behind a deep queue waited for
+        the ``ahead`` before it. The time average ``L / S`` undercounts them when the queue
+        drains before it finishes: the requests that remain in its last seconds are few, their
+        ``1 / n`` shares inflate ``S``, and the point reads a long latency at a low
+        concurrency. On a model of a batching engine (a FIFO of 16 slots, 17 req/s offered at
+        8.4 req/s of capacity, 96 held, then drained; `tests/unit/test_admission.py`) the line
+        ended at 6.0 req/s from the drain alone, at 8.4 with ``m`` at least ``ahead + 1``
+        there. Pass ``ahead`` only for a queue nothing bounded (admission off): behind the door
+        a request is admitted when ``n < cap``, so ``ahead + 1`` is the most it can share the
+        server with, and the bound would read every point at the cap (with it, at 3 x C0 with
+        one class the line read 10.9 req/s where the engine served 10.45). Within the batch
+        ``m`` is ``L / S`` alone."""
         if not (latency_s > 0 and service_s > 0):
             return False
         m = max(1.0, latency_s / service_s)
@@ -810,8 +814,9 @@ class AdmissionController:
 
     def observe_completion(self, now: float, latency_s: float, service_s: float, ahead: int = 0) -> None:
         """A request the model served finished at ``now``, ``latency_s`` after its admission,
-        having had ``service_s`` of the server to itself (`ShareClock`), admitted with ``ahead``
-        others in flight (`ServiceModel.observe`).
+        having had ``service_s`` of the server to itself (`ShareClock`); ``ahead``: the requests
+        in flight at its admission where nothing bounded them (admission off), else 0
+        (`ServiceModel.observe`).
 
         Feed completions of requests the model served only: an abort, an error or a
         semantic-cache answer says nothing about the model's capacity.

@@ -71,7 +71,7 @@ class Ticket:
     """One admitted request, until `AdmissionGate.release`."""
 
     criticality: Criticality
-    deadline_at: float | None  # wall-clock seconds; None when admission is off
+    deadline_at: float | None  # wall-clock seconds; None when admitted with admission off
     admitted_at: float = 0.0
     ahead: int = 0  # requests admitted and unfinished when this one was admitted
     share_mark: float = 0.0  # the gate's ShareClock at admission: its own service time starts here
@@ -302,7 +302,9 @@ class AdmissionGate:
         now = self._clock()
         mark = self.share.mark(now, self.in_flight)
         if served and self.controller is not None and ticket.level == self.level:
-            self.controller.observe_completion(now, now - ticket.admitted_at, mark - ticket.share_mark, ticket.ahead)
+            # the requests ahead bound a queue only the door did not bound (`ServiceModel.observe`)
+            ahead = ticket.ahead if ticket.deadline_at is None else 0
+            self.controller.observe_completion(now, now - ticket.admitted_at, mark - ticket.share_mark, ahead)
         if self._queue:
             self._hand_over()
 

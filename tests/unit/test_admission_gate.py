@@ -155,6 +155,20 @@ def test_a_request_that_lived_through_a_level_change_measures_neither_level() ->
     assert g.controller.rate_per_s != moved.rate_per_s
 
 
+def test_the_requests_ahead_measure_only_a_queue_the_door_did_not_bound() -> None:
+    g = gate()
+    seen: list[int] = []
+    g.controller.observe_completion = lambda now, latency_s, service_s, ahead=0: seen.append(ahead)
+    door_on = fill(g, 18)  # behind the door: admitted when n < cap, ahead + 1 is at most the cap
+    for ticket in door_on:
+        g.release(ticket, served=True)
+    g.configure(parse_policy({**SLO_POLICY, "admission": {**SLO_POLICY["admission"], "enabled": False}}))
+    door_off = [g.admit(None) for _ in range(40)]  # nothing bounds the queue: the ahead count
+    for ticket in door_off:
+        g.release(ticket, served=True)
+    assert seen == [0] * 18 + list(range(40))
+
+
 def test_reload_keeps_the_gate_and_can_turn_admission_off() -> None:
     g = gate()
     ctl = g.controller

@@ -492,7 +492,7 @@ def test_ratios_and_table_from_run_reports() -> None:
         return rep.run_report(name, result, 2000.0, load=load)
 
     runs = [run("adaptive @1.5x", 1.0, "1.5x"), run("pinned0 @1.5x", 4.0, "1.5x"), run("adaptive @3x", 1.0, "3x"),
-            run("adaptive step", 1.0, "step"), run("adaptive @1.5x plain", 0.5, "1.5x")]
+            run("adaptive step", 1.0, "step"), run("adaptive @1.5x standard", 0.5, "1.5x")]
     capacity = {"C0": {"capacity_rps": 2.0}, "C3": {"capacity_rps": 4.0}, "builtin": {"capacity_rps": 2.0}}
     unloaded = {"brownout level 0": {"unloaded_e2e_ms_p50": 1500.0}, "builtin": {"unloaded_e2e_ms_p50": 1200.0}}
     r = overload.ratios(runs, capacity, 2000.0, unloaded)
@@ -500,10 +500,10 @@ def test_ratios_and_table_from_run_reports() -> None:
     assert r["adaptive: goodput at 3xC0 / C3"] == round(runs[2]["overall"]["goodput_rps"] / 4.0, 3)
     assert r["C3 / built-in capacity"] == 2.0 and r["reaction s (load step -> level >= 1)"] == 1.5
     assert r["adaptive: within the SLO at 1.5xC0"] == 1.0
-    # the 1.5x load without criticality headers, beside the mixed one
-    assert r["adaptive, default class: within the SLO at 1.5xC0"] == 1.0
-    assert r["adaptive, default class: p99 at 1.5xC0 / SLO"] == 0.25
-    assert r["pinned0 p99 / adaptive default class p99 at 1.5xC0"] == 8.0
+    # the 1.5x load with one class, beside the mixed one
+    assert r["adaptive, standard only: within the SLO at 1.5xC0"] == 1.0
+    assert r["adaptive, standard only: p99 at 1.5xC0 / SLO"] == 0.25
+    assert r["pinned0 p99 / adaptive standard-only p99 at 1.5xC0"] == 8.0
     assert r["SLO met again s after the step down"] is None  # 2 s after it: no whole 5 s window
     assert r["one at a time: e2e p50 Brownout level 0 / built-in"] == 1.25
     assert r["adaptive @3x: client time-outs"] == 0 and r["adaptive @3x: median time to refusal ms"] is None
@@ -558,7 +558,7 @@ def test_repeat_figures_judge_each_repeat_against_its_own_c3_and_pool_the_classe
     runs = [run15("adaptive @1.5x", 1.0), run3x("adaptive @3x", 0),
             run15("adaptive @1.5x #2", 1.5), run3x("adaptive @3x #2", 1),
             run15("adaptive @1.5x #3", 3.0), run3x("adaptive @3x #3", 0),
-            run15("adaptive @1.5x plain #2", 2.5)]  # without headers: in repeat 2 only
+            run15("adaptive @1.5x standard #2", 2.5)]  # without headers: in repeat 2 only
     capacity = {"C3": {"capacity_rps": 4.0}, "C3 #2": {"capacity_rps": 2.0}, "C3 #3": {"capacity_rps": 4.0}}
     out = overload.repeat_figures(runs, capacity, 2000.0)
     assert out is not None
@@ -571,8 +571,8 @@ def test_repeat_figures_judge_each_repeat_against_its_own_c3_and_pool_the_classe
     assert [r["within the SLO at 1.5xC0"] for r in rows] == [1.0, 1.0, 0.0]
     assert out["median"]["within the SLO at 1.5xC0"] == 1.0
     assert out["median"]["p99 at 1.5xC0 / SLO"] == rows[1]["p99 at 1.5xC0 / SLO"]
-    assert "within the SLO at 1.5xC0, default class" not in rows[0]
-    assert rows[1]["within the SLO at 1.5xC0, default class"] == 0.0 == out["median"]["within the SLO at 1.5xC0, default class"]
+    assert "within the SLO at 1.5xC0, standard only" not in rows[0]
+    assert rows[1]["within the SLO at 1.5xC0, standard only"] == 0.0 == out["median"]["within the SLO at 1.5xC0, standard only"]
     # pooled: 60 critical requests, one late; 99% fails on the pool as it does in repeat 2
     crit = out["pooled_3x"]["critical"]
     assert crit["requests"] == 60 and crit["good"] == 59 and crit["good_ratio"] == round(59 / 60, 4)
@@ -684,7 +684,7 @@ def test_an_adaptive_run_waits_three_arrival_rate_time_constants_at_level_0() ->
     assert quiet_s({"degradation": {"admission": {"reserve_window_s": 4}}}) == 12.0
 
 
-def test_the_plain_1_5x_run_sends_no_criticality_header() -> None:
+def test_the_one_class_1_5x_run_sends_standard_on_every_request() -> None:
     import argparse
 
     from bench import overload
@@ -693,8 +693,9 @@ def test_the_plain_1_5x_run_sends_no_criticality_header() -> None:
                               no_mix=False, mix=None, seed=None, no_progress=True, only=None, adaptive_repeats=2)
     plan = overload.Plan(args)
     assert plan.mix  # the 20/50/30 mix by default, for every other run
-    name, profile, extra = overload.plain_run(6.0, plan)
-    assert name == "adaptive @1.5x plain" and extra == {"load": "1.5x", "mix": None, "criticality": "default class"}
+    name, profile, extra = overload.one_class_run(6.0, plan)
+    assert name == "adaptive @1.5x standard" and extra["criticality"] == "standard" and extra["load"] == "1.5x"
+    assert dict(extra["mix"]) == {"critical": 0.0, "standard": 1.0, "sheddable": 0.0}
     assert profile.rate_at(1.0) == 6.0
-    name, _, extra = overload.plain_run(6.0, plan, 2)
-    assert name == "adaptive @1.5x plain #2" and extra["repeat"] == 2
+    name, _, extra = overload.one_class_run(6.0, plan, 2)
+    assert name == "adaptive @1.5x standard #2" and extra["repeat"] == 2
