@@ -15,7 +15,8 @@ settings at once:
 - noise: each request's work is lognormal (``--noise``, the log's standard deviation), and the
   engine's speed drifts as a random walk every 5 s (``--drift``), within 0.75-1.4;
 - the gate's critical wait (`serve_app.admission`: a critical request at a full door waits up to
-  ``critical_wait_share`` of the SLO for a freed slot); a request is on time when its latency
+  ``critical_wait_share`` of the SLO for a freed slot, unless critical work alone saturates the
+  server: `AdmissionController.saturated_by`); a request is on time when its latency
   plus ``overhead_ms`` (50 ms outside the gate; the door itself assumes its shipped 100 ms) is
   within the SLO. Preemption is not modelled
   (the engine starts every admitted request at once).
@@ -130,7 +131,7 @@ def simulate(setting: Setting, rate: float, seed: int, scale: float = 1.0, shape
             counts[klass]["offered"] += 1
             if ctl.decide(klass, len(running) + len(line), arrive).admitted:
                 start_request(arrive, klass, arrive)
-            elif klass is Criticality.CRITICAL and wait_s > 0:
+            elif klass is Criticality.CRITICAL and wait_s > 0 and not ctl.saturated_by(klass, arrive):
                 line.append(arrive)
             else:
                 counts[klass]["refused"] += 1

@@ -354,7 +354,8 @@ class AdmissionConfig(_Strict):
         default=0.1, ge=0.0, le=0.5, allow_inf_nan=False,
         description="a critical request that finds the door full waits for a freed slot for up to "
         "this share of slo.e2e_p99_ms (lower classes are refused meanwhile) before it is refused "
-        "(0: refused at once)",
+        "(0: refused at once; so is every critical request while critical work alone arrives faster "
+        "than the server completes requests)",
     )
     reserve_window_s: float = Field(
         default=10.0, gt=0.0, le=600.0, allow_inf_nan=False,

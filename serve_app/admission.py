@@ -16,7 +16,8 @@ admitted or refused before any enrichment or model work:
   important work still gets in;
 - 503 ``saturated``: even critical work would miss the SLO;
 - a critical request that finds the door full first waits for a freed slot, for up to
-  ``admission.critical_wait_share`` of the SLO (`admit_waiting`), then gets the 503;
+  ``admission.critical_wait_share`` of the SLO (`admit_waiting`), then gets the 503; it gets
+  the 503 at once while critical work alone saturates the server (`saturated_by`);
 - 429 ``preempted``, after admission: a more important request found the door full and took the
   place of this one, which the model had not started yet (`waiting`, `preempted_error`).
 
@@ -148,6 +149,9 @@ class AdmissionGate:
         it), and each release hands the slot it frees to the first in line while critical's cap
         has room (`release`). Its deadline runs from its arrival, not from the end of its wait.
         Past the wait it is refused like at the door (503 ``saturated``, computed Retry-After);
+        while critical work alone saturates the server (`AdmissionController.saturated_by`) it
+        is refused at once: each freed slot would go to a critical request anyway, and one that
+        waited for it would finish late by its wait;
         a client that goes away while waiting leaves the line and takes no slot. Its first
         decision still counts as a refusal in ``refused_ratio`` (the level's earliest signal):
         the door was full.
@@ -159,8 +163,8 @@ class AdmissionGate:
             return ticket
         assert refused is not None and self.controller is not None
         wait_s = self.controller.settings.critical_wait_share * self.controller.e2e_s
-        if criticality.rank or wait_s <= 0:
-            raise self._refusal(refused)
+        if criticality.rank or wait_s <= 0 or self.controller.saturated_by(criticality, arrived_at):
+            raise self._refusal(refused)  # nobody waits where the next freed slot is another's anyway
         handed: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
         entry = (arrived_at, handed)
         self._queue.append(entry)

@@ -358,6 +358,31 @@ def test_who_does_not_wait_is_refused_at_once(klass: str, policy: dict) -> None:
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("critical_rate, waits", [(3.0, True), (30.0, False)])
+def test_critical_work_waits_only_while_it_alone_does_not_saturate_the_server(critical_rate: float,
+                                                                              waits: bool) -> None:
+    async def scenario() -> None:
+        g = gate()  # the server completes 10 requests/s
+        for _ in range(int(critical_rate * 20)):  # 20 s of critical demand; the door fills to its cap
+            g._clock.advance(1.0 / critical_rate)
+            if g.in_flight < 19:
+                g.admit(None, base=Criticality.CRITICAL)
+            else:  # the door is full: a refused arrival, measured all the same
+                assert not g.controller.decide(Criticality.CRITICAL, g.in_flight, g._clock()).admitted
+        assert g.in_flight == 19
+        assert g.controller.saturated_by(Criticality.CRITICAL, g._clock()) is not waits
+        pending = asyncio.ensure_future(g.admit_waiting(None, base=Criticality.CRITICAL))
+        await asyncio.sleep(0)
+        # at 30/s every slot a release frees goes to the next critical arrival: refused at once
+        assert pending.done() is not waits and g.state()["queued"] == int(waits)
+        if waits:
+            pending.cancel()
+        else:
+            assert pending.exception().status == 503
+
+    asyncio.run(scenario())
+
+
 def test_a_client_that_goes_away_while_waiting_takes_no_slot() -> None:
     async def scenario() -> None:
         g = gate()
