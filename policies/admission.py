@@ -131,8 +131,7 @@ Wiring (the ingress)::
         ...
     in_flight += 1; mark = share.mark(now, in_flight)   # a ShareClock; request["priority"] = klass.vllm_priority
     ...; in_flight -= 1; end = share.mark(time.time(), in_flight)
-    admission.observe_completion(time.time(), latency_s, end - mark)   # served by the model only, and
-    #     admitted at the level in force (one that lived through a level change measures neither)
+    admission.observe_completion(time.time(), latency_s, end - mark)   # served by the model only
     admission.set_level(level)               # whenever the level in force changes
     # on reconfigure(): admission.update(policy.slo, policy.admission or AdmissionConfig())
     # the model deployment, before the engine starts a request:

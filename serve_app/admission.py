@@ -3,10 +3,10 @@
 `AdmissionGate` wraps the pure rule (`policies.admission.AdmissionController`) with what only
 the ingress knows: how many requests it has admitted that have not finished yet (``in_flight``:
 from admission until the model's last token, open streams included), which of them the model
-actually served (only those feed the service model, and only that of the level they were
-admitted at), each request's share of the server while it was in flight and how many were
-ahead of it (`policies.admission.ShareClock`, `ServiceModel.observe`), the degradation level in
-force (`set_level`: each level has its own measured model), and the HTTP shape of a refusal.
+actually served (only those feed the service model), each request's share of the server while
+it was in flight and how many were ahead of it (`policies.admission.ShareClock`,
+`ServiceModel.observe`), the degradation level in force (`set_level`: each level has its own
+measured model), and the HTTP shape of a refusal.
 
 A request is classified first (its key's tier once keys exist, else the policy's
 ``slo.default_class``; the ``X-Brownout-Criticality`` header may lower it, never raise it), then
@@ -76,7 +76,6 @@ class Ticket:
     admitted_at: float = 0.0
     ahead: int = 0  # requests admitted and unfinished when this one was admitted
     share_mark: float = 0.0  # the gate's ShareClock at admission: its own service time starts here
-    level: int = 0  # the degradation level in force at admission (whose service model it measures)
     released: bool = False
     preempted: bool = False  # a more important request took its place before the model started it
 
@@ -221,7 +220,7 @@ class AdmissionGate:
     def _ticket(self, criticality: Criticality, deadline_at: float | None, now: float, ahead: int) -> Ticket:
         self.in_flight += 1
         self.admitted[criticality.value] += 1
-        return Ticket(criticality, deadline_at, now, ahead, self.share.mark(now, self.in_flight), level=self.level)
+        return Ticket(criticality, deadline_at, now, ahead, self.share.mark(now, self.in_flight))
 
     def _hand_over(self) -> None:
         """Give freed slots to the critical requests waiting for one, first in line first, while
@@ -294,10 +293,10 @@ class AdmissionGate:
 
     def release(self, ticket: Ticket, served: bool) -> None:
         """The request is over. ``served``: the model computed its answer to the end (only
-        those measure the service rate; aborts, errors and cache answers do not). A request
-        admitted at another level than the one in force now measures neither level's model:
-        its latency mixes the work of both (a request admitted at level 0 runs its enrichments,
-        and finishing after a step up to 3 it would read as a slow level 3)."""
+        those measure the service rate; aborts, errors and cache answers do not). It measures
+        the model of the level in force when it finishes, whatever the level at its admission:
+        right after a step up the engine still serves the earlier level's work, and that is the
+        server the door admits against."""
         if ticket.released:
             return
         ticket.released = True
@@ -305,7 +304,7 @@ class AdmissionGate:
         self.in_flight -= 1
         now = self._clock()
         mark = self.share.mark(now, self.in_flight)
-        if served and self.controller is not None and ticket.level == self.level:
+        if served and self.controller is not None:
             # the requests ahead bound a queue only the door did not bound (`ServiceModel.observe`)
             ahead = ticket.ahead if ticket.deadline_at is None else 0
             self.controller.observe_completion(now, now - ticket.admitted_at, mark - ticket.share_mark, ahead)

@@ -128,33 +128,6 @@ def test_the_level_in_force_selects_its_own_model() -> None:
     assert g.controller.max_admitted(Criticality.CRITICAL) == slow
 
 
-def test_a_request_that_lived_through_a_level_change_measures_neither_level() -> None:
-    clock = FakeClock()
-    g = AdmissionGate(max_num_seqs=16, clock=clock)
-    g.configure(parse_policy(SLO_POLICY))
-    before = g.controller.model.copy()
-
-    def served_over_two_windows(tickets: list) -> None:  # 1 s windows: the second release closes one
-        clock.advance(1.0)
-        g.release(tickets[0], served=True)
-        clock.advance(1.2)
-        for ticket in tickets[1:]:
-            g.release(ticket, served=True)
-
-    served_over_two_windows(fill(g, 4))
-    moved = g.controller.model.copy()  # admitted and finished at level 0: measured
-    assert moved.rate_per_s != before.rate_per_s
-    slow = fill(g, 4)  # admitted at level 0, with its optional work
-    g.set_level(3)  # level 3 starts from level 0's model
-    served_over_two_windows(slow)  # finished at level 3: neither model moves
-    assert g.controller.rate_per_s == moved.rate_per_s
-    g.set_level(0)
-    assert (g.controller.model.base_s, g.controller.model.per_request_s) == (moved.base_s, moved.per_request_s)
-    g.set_level(3)
-    served_over_two_windows(fill(g, 4))  # admitted and finished at 3: measured
-    assert g.controller.rate_per_s != moved.rate_per_s
-
-
 def test_the_requests_ahead_measure_only_a_queue_the_door_did_not_bound() -> None:
     g = gate()
     seen: list[int] = []
