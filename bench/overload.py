@@ -616,8 +616,8 @@ class Bench:
 
     def run(self, name: str, system: str, base: str, profile: Profile, brownout: bool, mix: Any = "plan",
             **extra: Any) -> dict[str, Any]:
-        """One load run (``mix``: the plan's criticality mix, or None for no header: every
-        request at the policy's ``slo.default_class``)."""
+        """One load run (``mix``: the plan's criticality mix, another mix, or None for no header:
+        every request at the benchmark key's tier)."""
         log(f"run {name}: {profile.name}")
         t0, wall0 = time.monotonic(), time.time()
         result = run_profile(base, profile, self.plan, name, mix=mix)
