@@ -995,3 +995,42 @@ def test_ahead_counts_only_past_the_batch() -> None:
     c.observe(0.0, 6.0, 0.5, ahead=47)  # past it: shared with at least 48, a full batch in 2 s
     d.observe(0.0, 6.0, 0.5, ahead=0)  # shared with 12 on average: 6 s within the batch
     assert c.latency_s(16) == pytest.approx(2.0) and d.latency_s(12) == pytest.approx(6.0)
+
+
+# -- how long a request refused at the full door may wait for a freed slot ----------------------
+
+SHIPPED_SLO = SloConfig(e2e_p99_ms=2100, class_share={"critical": 1.0, "standard": 0.9, "sheddable": 0.9})
+
+
+@pytest.mark.parametrize("klass, ahead, demand, settings_, wait", [
+    # critical: critical_wait_share (0.1) of the 2.1 s SLO, wherever it stands
+    (C, 20, {}, RESERVING, 0.21),
+    (C, 40, {}, RESERVING, 0.21),
+    # standard: no longer than critical, nor than the room its share leaves: 0.1 of the 2 s budget
+    (S, 18, {S: 5.0}, RESERVING, 0.2),
+    (D, 18, {D: 5.0}, RESERVING, 0.2),
+    # 3 completions to its cap of 18 take 0.3 s at 10/s: longer than its wait
+    (S, 20, {S: 5.0}, RESERVING, 0.0),
+    # room kept for critical work that arrives: freed slots are meant for it
+    (S, 14, {C: 8.0, S: 2.0}, RESERVING, 0.0),
+    # it and the classes above alone saturate the server: the next slot is another's anyway
+    (S, 18, {S: 20.0}, RESERVING, 0.0),
+    (C, 20, {C: 20.0}, RESERVING, 0.0),
+    # shut out: the classes above take every slot
+    (D, 0, {C: 6.0, S: 8.0}, RESERVING, 0.0),
+    # no waiting at all
+    (C, 20, {}, RESERVING.model_copy(update={"critical_wait_share": 0.0}), 0.0),
+    (S, 18, {S: 5.0}, RESERVING.model_copy(update={"critical_wait_share": 0.0}), 0.0),
+])
+def test_who_waits_at_the_full_door_and_how_long(klass: Criticality, ahead: int, demand: dict,
+                                                  settings_: AdmissionConfig, wait: float) -> None:
+    ctl = controller(SHIPPED_SLO, settings_)  # caps: critical 20, standard and sheddable 18
+    _offer(ctl, demand, 30.0)
+    assert ctl.wait_s(klass, ahead, 30.0) == pytest.approx(wait)
+
+
+def test_a_class_whose_share_leaves_no_room_does_not_wait() -> None:
+    ctl = controller(SloConfig(e2e_p99_ms=2100, class_share={"critical": 1.0, "standard": 1.0, "sheddable": 1.0}),
+                     RESERVING)
+    _offer(ctl, {S: 5.0}, 30.0)
+    assert ctl.wait_s(S, 20, 30.0) == 0.0 and ctl.wait_s(C, 20, 30.0) == pytest.approx(0.21)
