@@ -14,10 +14,9 @@ settings at once:
   ``linear``; ``convex``), times ``--scale``, queueing past the batch;
 - noise: each request's work is lognormal (``--noise``, the log's standard deviation), and the
   engine's speed drifts as a random walk every 5 s (``--drift``), within 0.75-1.4;
-- the gate's wait at a full door (`serve_app.admission`: a refused request waits for a freed slot
-  for `AdmissionController.wait_s`, the most important class first, then first come; critical
-  up to ``critical_wait_share`` of the SLO unless critical work alone saturates the server, a
-  lower class no longer and within the room its share leaves); a request is on time when its latency
+- the gate's critical wait (`serve_app.admission`: a critical request at a full door waits up to
+  ``critical_wait_share`` of the SLO for a freed slot, unless critical work alone saturates the
+  server: `AdmissionController.saturated_by`); a request is on time when its latency
   plus ``overhead_ms`` (50 ms outside the gate; the door itself assumes its shipped 100 ms) is
   within the SLO. Preemption is not modelled
   (the engine starts every admitted request at once).
@@ -98,9 +97,10 @@ def simulate(setting: Setting, rate: float, seed: int, scale: float = 1.0, shape
         ctl.observe_completion(t, took, took)
     start, end = t, t + seconds
     slo_s, outside_s = slo_ms / 1000.0, overhead_ms / 1000.0
+    wait_s = setting.critical_wait_share * slo_s
     arrive, next_drift = t + rng.expovariate(rate), t
     running: list[list] = []  # [arrived, work done, work needed, share mark, class]
-    line: list[tuple[float, Criticality, float]] = []  # waiting at a full door: (arrived, class, until)
+    line: list[float] = []  # critical requests waiting at a full door (arrival times)
     counts = {c: {"offered": 0, "refused": 0, "late": 0, "on_time": 0} for c in CLASSES}
     in_flight: list[int] = []
 
@@ -121,21 +121,18 @@ def simulate(setting: Setting, rate: float, seed: int, scale: float = 1.0, shape
                 counts[r[4]]["on_time" if t - r[0] + outside_s <= slo_s else "late"] += 1
             for r in running:
                 r[1] += step
-        line.sort(key=lambda e: (e[1].rank, e[0]))  # the most important class first, then first come
-        while line and len(running) < ctl.class_cap(line[0][1], t):  # a freed slot
-            arrived, klass, _ = line.pop(0)
-            start_request(arrived, klass, t)
-        for e in [e for e in line if t > e[2]]:  # waited its share: refused
-            line.remove(e)
-            counts[e[1]]["refused"] += 1
+        while line and len(running) < ctl.class_cap(Criticality.CRITICAL, t):  # a freed slot
+            start_request(line.pop(0), Criticality.CRITICAL, t)
+        while line and t - line[0] > wait_s:  # waited its share: refused
+            line.pop(0)
+            counts[Criticality.CRITICAL]["refused"] += 1
         while arrive <= t and arrive < end:
             klass = rng.choices(CLASSES, weights=mix)[0]
             counts[klass]["offered"] += 1
-            ahead = len(running) + sum(1 for e in line if e[1].rank <= klass.rank)
-            if ctl.decide(klass, ahead, arrive).admitted:
+            if ctl.decide(klass, len(running) + len(line), arrive).admitted:
                 start_request(arrive, klass, arrive)
-            elif (wait := ctl.wait_s(klass, ahead, arrive)) > 0:
-                line.append((arrive, klass, arrive + wait))
+            elif klass is Criticality.CRITICAL and wait_s > 0 and not ctl.saturated_by(klass, arrive):
+                line.append(arrive)
             else:
                 counts[klass]["refused"] += 1
             arrive += rng.expovariate(rate)

@@ -60,13 +60,6 @@ The rule, and why:
   budget at a door whose cap already uses the rest (at 3 x C0 with every request critical,
   before this: each refusal came after its wait, 222 ms median, and the median latency was
   1.98 s; after it: refusals in 20 ms, goodput 1.01 x C3).
-  A lower class waits too, behind every critical request waiting, for no longer than critical
-  does and than the part of the budget its share leaves unused (``(1 - class_share) *
-  budget_s``: its wait plus its latency at its cap stays within the budget), and only while no
-  room is kept from it for the classes above and it and they do not saturate the server
-  (`wait_s`). Why: with one class the door's refusals at about 0.9 of the server's rate are
-  Poisson bursts above the cap that the next few completions would absorb (measured at 1.5 x
-  C0, every request standard: 4-5% refused, none late, p99 0.85 x SLO).
 - **Waiting work of a lower class gives way (preemption).** Room is kept from measured rates,
   so it lags a step up: at the onset of an overload from idle the door fills with whatever
   arrives first, before any rate says how much room critical work needs (measured at 0 -> 3x C0
@@ -797,32 +790,6 @@ class AdmissionController:
         only spends its budget waiting (`serve_app.admission`: a critical request at a full door
         waits for a freed slot only while critical work alone does not saturate the server)."""
         return self._first_saturate(_RANK[criticality] + 1, now)
-
-    def wait_s(self, criticality: Criticality, ahead: int, now: float) -> float:
-        """How long a request of ``criticality`` that the full door refused may wait for a freed
-        slot (`serve_app.admission`): ``critical_wait_share * e2e_p99`` for critical; for a lower
-        class no longer than that and than the part of the budget its share leaves unused,
-        ``(1 - class_share) * budget_s``, so that its wait plus its latency at its cap stays
-        within the whole budget. 0 (refused at once) where waiting is in vain: while the class
-        and those above it alone saturate the server (`saturated_by`: the next freed slot is
-        another's anyway); and for a lower class while it is shut out, while room is kept from
-        it for the classes above (`reserve` > 0: a freed slot is meant for them), or where the
-        ``ahead`` requests (in flight, and waiting before it) would not drain to its cap within
-        the wait at the saturation rate."""
-        rank = _RANK[criticality]
-        wait = self.settings.critical_wait_share * self.e2e_s
-        if rank:
-            wait = min(wait, (1.0 - self._shares[rank]) * self.budget_s)
-        if wait <= 0.0 or self.saturated_by(criticality, now):
-            return 0.0
-        if not rank:
-            return wait
-        cap = self.class_cap(criticality, now)
-        if cap <= 0 or self.reserve(criticality, now) > 0:
-            return 0.0
-        if (ahead + 1 - cap) / self.model.rate_per_s > wait:  # not enough completions within it
-            return 0.0
-        return wait
 
     def _first_saturate(self, count: int, now: float) -> bool:
         """Whether the ``count`` most important classes alone arrive at least as fast as the

@@ -355,9 +355,7 @@ class AdmissionConfig(_Strict):
         description="a critical request that finds the door full waits for a freed slot for up to "
         "this share of slo.e2e_p99_ms (lower classes are refused meanwhile) before it is refused "
         "(0: refused at once; so is every critical request while critical work alone arrives faster "
-        "than the server completes requests); a lower class waits behind it, no longer than this "
-        "nor than the part of the budget its class_share leaves, where that can succeed "
-        "(policies.admission.AdmissionController.wait_s; 0: nobody waits)",
+        "than the server completes requests)",
     )
     reserve_window_s: float = Field(
         default=10.0, gt=0.0, le=600.0, allow_inf_nan=False,

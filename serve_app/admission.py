@@ -15,12 +15,9 @@ admitted or refused before any enrichment or model work:
 - 429 ``class_share_exhausted``: this class's share of the latency budget is used up, more
   important work still gets in;
 - 503 ``saturated``: even critical work would miss the SLO;
-- a request that finds the door full may first wait for a freed slot (`admit_waiting`): a
-  critical one for up to ``admission.critical_wait_share`` of the SLO, a lower class's for no
-  longer and no longer than the part of the budget its share leaves unused, behind every more
-  important one waiting (`AdmissionController.wait_s`); then it gets its refusal. None waits
-  while it and the classes above it alone saturate the server (`saturated_by`), nor a lower
-  class while room is kept from it for those above;
+- a critical request that finds the door full first waits for a freed slot, for up to
+  ``admission.critical_wait_share`` of the SLO (`admit_waiting`), then gets the 503; it gets
+  the 503 at once while critical work alone saturates the server (`saturated_by`);
 - 429 ``preempted``, after admission: a more important request found the door full and took the
   place of this one, which the model had not started yet (`waiting`, `preempted_error`).
 
@@ -113,10 +110,9 @@ class AdmissionGate:
         self.refused: Counter[tuple[str, str]] = Counter()
         # admitted requests the model has not started, each with the hook that stops its wait
         self._waiting: dict[Ticket, Callable[[], None]] = {}
-        # requests that found the door full, waiting for a freed slot (`admit_waiting`): (arrived
-        # at, class, the future their ticket is handed over by); the most important class first,
-        # then first come first served
-        self._queue: collections.deque[tuple[float, Criticality, asyncio.Future[Ticket]]] = collections.deque()
+        # critical requests that found the door full, waiting for a freed slot (`admit_waiting`):
+        # (arrived at, the future their ticket is handed over by), first come first served
+        self._queue: collections.deque[tuple[float, asyncio.Future[Ticket]]] = collections.deque()
 
     def configure(self, policy: DegradationConfig) -> None:
         """Apply a (re)loaded policy; a measured service rate is kept across reloads."""
@@ -145,21 +141,16 @@ class AdmissionGate:
         return ticket
 
     async def admit_waiting(self, criticality_header: str | None, base: Criticality | None = None) -> Ticket:
-        """`admit`, except that a request the door would refuse waits for a freed slot, for up to
-        `AdmissionController.wait_s` (critical: ``admission.critical_wait_share`` of the SLO; a
-        lower class no longer, and no longer than the part of the budget its share leaves
-        unused), the most important class first, then first come first served.
+        """`admit`, except that a critical request the door would refuse waits for a freed slot,
+        for up to ``admission.critical_wait_share`` of the SLO, first come first served.
 
-        Meanwhile no request of a lower class is admitted (the requests waiting of its class or
-        above count as ahead of each arrival), and each release hands the slot it frees to the
-        first in line while that request's class cap has room (`release`). Its deadline runs
-        from its arrival, not from the end of its wait. Past the wait it is refused like at the
-        door (503 ``saturated`` for critical or past critical's cap, else 429
-        ``class_share_exhausted``; computed Retry-After). It is refused at once where
-        `wait_s` is 0: while it and the classes above it alone saturate the server
-        (`AdmissionController.saturated_by`) each freed slot would go to one of them anyway,
-        and one that waited for it would finish late by its wait; a lower class also while it
-        is shut out or room is kept from it for the classes above;
+        Meanwhile no request of a lower class is admitted (the requests waiting count as ahead of
+        it), and each release hands the slot it frees to the first in line while critical's cap
+        has room (`release`). Its deadline runs from its arrival, not from the end of its wait.
+        Past the wait it is refused like at the door (503 ``saturated``, computed Retry-After);
+        while critical work alone saturates the server (`AdmissionController.saturated_by`) it
+        is refused at once: each freed slot would go to a critical request anyway, and one that
+        waited for it would finish late by its wait;
         a client that goes away while waiting leaves the line and takes no slot. Its first
         decision still counts as a refusal in ``refused_ratio`` (the level's earliest signal):
         the door was full.
@@ -170,12 +161,11 @@ class AdmissionGate:
         if ticket is not None:
             return ticket
         assert refused is not None and self.controller is not None
-        ahead = self.in_flight + self._queued_ahead(criticality)
-        wait_s = self.controller.wait_s(criticality, ahead, arrived_at) if self.enabled else 0.0
-        if wait_s <= 0:
+        wait_s = self.controller.settings.critical_wait_share * self.controller.e2e_s
+        if criticality.rank or wait_s <= 0 or self.controller.saturated_by(criticality, arrived_at):
             raise self._refusal(refused)  # nobody waits where the next freed slot is another's anyway
         handed: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
-        entry = (arrived_at, criticality, handed)
+        entry = (arrived_at, handed)
         self._queue.append(entry)
         try:
             await asyncio.wait({handed}, timeout=wait_s)
@@ -190,17 +180,11 @@ class AdmissionGate:
         ctl = self.controller
         if ctl is None or not self.enabled:  # admission was switched off meanwhile
             return self._ticket(criticality, None, self._clock(), self.in_flight)
-        ahead = self.in_flight + self._queued_ahead(criticality)
+        ahead = self.in_flight + len(self._queue)
         cap = ctl.class_cap(criticality, self._clock())
-        reason = "saturated" if criticality.rank == 0 or ahead >= ctl.max_admitted() else "class_share_exhausted"
-        late = Decision(False, criticality, reason, STATUS[reason], ctl.predicted_e2e_s(ahead), cap,
+        late = Decision(False, criticality, "saturated", STATUS["saturated"], ctl.predicted_e2e_s(ahead), cap,
                         retry_after_s=ctl.retry_after_s(ahead, cap))
         raise self._refusal(late)
-
-    def _queued_ahead(self, criticality: Criticality) -> int:
-        """Requests waiting at the door that go before an arrival of ``criticality``: those of
-        its class (first come) and of every more important one."""
-        return sum(1 for _, klass, _ in self._queue if klass.rank <= criticality.rank)
 
     def _classify(self, criticality_header: str | None, base: Criticality | None) -> Criticality:
         try:
@@ -208,21 +192,20 @@ class AdmissionGate:
         except ValueError as err:
             raise RequestError(400, str(err), CRITICALITY_HEADER) from None
 
-    def _leave(self, entry: tuple[float, Criticality, asyncio.Future[Ticket]]) -> None:
+    def _leave(self, entry: tuple[float, asyncio.Future[Ticket]]) -> None:
         try:
             self._queue.remove(entry)
         except ValueError:
             pass  # handed over (or already gone)
-        entry[2].cancel()
+        entry[1].cancel()
 
     def _enter(self, criticality: Criticality) -> tuple[Ticket | None, Decision | None]:
         """Decide at the door: the ticket, or the refusing decision (not counted yet)."""
         deadline_at, now, ahead = None, self._clock(), self.in_flight
         if self.controller is not None and self.enabled:
             below = [t for t in self._waiting if t.criticality.rank > criticality.rank]
-            # requests of its class or above waiting for a slot are ahead of an arrival
-            decision = self.controller.decide(criticality, ahead + self._queued_ahead(criticality), now,
-                                              preemptible=len(below))
+            # critical requests waiting for a slot are ahead of every arrival
+            decision = self.controller.decide(criticality, ahead + len(self._queue), now, preemptible=len(below))
             if not decision.admitted:
                 return None, decision
             if decision.preempt:
@@ -240,25 +223,19 @@ class AdmissionGate:
         return Ticket(criticality, deadline_at, now, ahead, self.share.mark(now, self.in_flight))
 
     def _hand_over(self) -> None:
-        """Give freed slots to the requests waiting for one (`admit_waiting`): the most important
-        class first, then first in line first, while the next one's class cap has room (caps
-        never grow down the classes, so a lower class never passes one that cannot enter)."""
+        """Give freed slots to the critical requests waiting for one, first in line first, while
+        critical's cap has room (`admit_waiting`)."""
         ctl = self.controller
         if ctl is None or not self.enabled:
             while self._queue:  # admission switched off: everyone in
-                self._queue.popleft()[2].cancel()
+                self._queue.popleft()[1].cancel()
             return
         now = self._clock()
-        while self._queue:
-            entry = min(self._queue, key=lambda e: e[1].rank)  # the first of the most important class
-            arrived_at, klass, handed = entry
+        while self._queue and self.in_flight < ctl.class_cap(Criticality.CRITICAL, now):
+            arrived_at, handed = self._queue.popleft()
             if handed.done():  # left the line already
-                self._queue.remove(entry)
                 continue
-            if self.in_flight >= ctl.class_cap(klass, now):
-                break
-            self._queue.remove(entry)
-            handed.set_result(self._ticket(klass, arrived_at + ctl.e2e_s, now, self.in_flight))
+            handed.set_result(self._ticket(Criticality.CRITICAL, arrived_at + ctl.e2e_s, now, self.in_flight))
 
     def waiting(self, ticket: Ticket, stop: Callable[[], None]) -> None:
         """``ticket``'s request waits for the model to start it (its pre stages, the model's first
@@ -390,7 +367,7 @@ class AdmissionGate:
             "enabled": self.enabled,
             "in_flight": self.in_flight,
             "waiting": len(self._waiting),  # admitted, not started by the model, a lower class's to take
-            "queued": len(self._queue),  # requests waiting at the full door for a slot
+            "queued": len(self._queue),  # critical requests waiting at the full door for a slot
             "default_class": self.default_class.value,
             "rate_per_s": None if ctl is None else round(ctl.rate_per_s, 3),
             "base_latency_s": None if ctl is None else round(ctl.model.base_s, 3),
