@@ -613,6 +613,9 @@ class Bench:
         self.phases: dict[str, float] = {}
         self.vllm_bench: dict[str, Any] | None = None
         self.unloaded: dict[str, Any] = {}
+        # where the engine computed (`deployments.cpu_placement`, from /healthz) and the Ray
+        # node's CPUs once Brownout was shut down, before the built-in app ran on the same node
+        self.cpu_placement: dict[str, Any] = {}
 
     def run(self, name: str, system: str, base: str, profile: Profile, brownout: bool, mix: Any = "plan",
             **extra: Any) -> dict[str, Any]:
@@ -751,6 +754,15 @@ class Cluster:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+def raylet_cpus() -> dict[str, Any]:
+    """The CPUs of this command's raylet (its child: `Cluster` starts Ray locally) and the node's:
+    equal once Brownout's model replica gave back what its CPU isolation moved."""
+    from deployments import cpu_placement as cp
+
+    raylets = [p for p, pp in cp.parent_map().items() if pp == os.getpid() and cp.process_name(p) == "raylet"]
+    return {"raylet": [list(cp.process_cpus(p) or ()) for p in raylets], "node": list(cp.node_cpus())}
+
+
 def deploy_unprotected(bench: Bench, cluster: Cluster) -> None:
     """`serve deploy` Brownout, wait until it answers, and switch admission off. Pinned runs and
     calibrations measure Brownout without admission control (features on or off, every request
@@ -760,6 +772,8 @@ def deploy_unprotected(bench: Bench, cluster: Cluster) -> None:
     bench.timed("deploy_brownout", lambda: deploy_brownout(cluster.dashboard, cluster.config, cluster.tmp))
     wait_healthy(cluster.base, "/healthz")
     set_admission(cluster.base, cluster.policy_doc, enabled=False)
+    with http(cluster.base) as c:
+        bench.cpu_placement["brownout"] = (c.get("/healthz").json().get("engine") or {}).get("cpu_isolation")
 
 
 def calibrate_pair(bench: Bench, base: str, plan: Plan, suffix: str = "",
@@ -945,6 +959,7 @@ def comparison(args: argparse.Namespace) -> int:
                     run_adaptive(bench, base, policy_doc, todo)
             log("shutting Brownout down")
             serve.shutdown()
+            bench.cpu_placement["raylet_cpus_after_shutdown"] = raylet_cpus()
         if "builtin" in plan.runs:
             log("deploying Ray's built-in LLM app (build_openai_app)")
             bench.timed("deploy_builtin", lambda: deploy_builtin(http_port, config))
@@ -975,6 +990,7 @@ def comparison(args: argparse.Namespace) -> int:
         "ratios": ratios(bench.runs, bench.capacity, plan.slo.slo_ms, bench.unloaded),
         "repeats": repeat_figures(bench.runs, bench.capacity, plan.slo.slo_ms),
         "vllm_bench_serve": bench.vllm_bench,
+        "cpu_placement": bench.cpu_placement,
         "runs": bench.runs,
     }
     out_dir = Path(args.out_dir)

@@ -26,8 +26,9 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from deployments.cpu_placement import check_setting
 from deployments.window import SlidingWindow
 
 if TYPE_CHECKING:
@@ -89,11 +90,23 @@ class EngineSettings(BaseModel):
     max_num_batched_tokens: int | None = Field(
         default=None, ge=1, description="Token budget of one scheduler step; None: vLLM default."
     )
+    cpu_isolation: str = Field(
+        default="auto",
+        description="Where a CPU engine computes (`deployments.cpu_placement`): 'auto' keeps "
+        "the engine's compute threads on CPUs of their own and the Ray node's other processes "
+        "off them, 'off' leaves placement to the OS, a CPU list ('1', '2-7') names the engine's "
+        "CPUs. Ignored where the engine computes on a GPU.",
+    )
     scheduling_policy: Literal["priority", "fcfs"] = Field(
         default="priority",
         description="vLLM's scheduler: 'priority' starts waiting requests by their priority "
         "(critical first; ties first come, first served), 'fcfs' by arrival alone.",
     )
+
+    @field_validator("cpu_isolation")
+    @classmethod
+    def _cpu_isolation_known(cls, value: str) -> str:
+        return check_setting(value)
 
     @model_validator(mode="after")
     def _budget_fits_batch(self) -> EngineSettings:
@@ -487,6 +500,12 @@ class LLMEngine:
             await engine.abort(request_id)
         except Exception:  # noqa: BLE001 - the request is gone either way; keep the caller's error
             logger.warning("abort of request %s failed", request_id, exc_info=True)
+
+    def on_cpu(self) -> bool:
+        """Whether vLLM computes on CPU here (its platform, known once it is imported)."""
+        from vllm.platforms import current_platform
+
+        return bool(current_platform.is_cpu())
 
     def dtype(self) -> str:
         """The dtype handed to vLLM (`engine_dtype` of the setting)."""

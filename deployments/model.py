@@ -31,6 +31,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from deployments.cpu_placement import Isolation, compute_threads, isolate, release
 from deployments.engine import SAMPLING_KEYS, Delta, EngineError, EngineSettings, LLMEngine
 from deployments.gpu import GpuProbe
 from deployments.reporting import ReportLink, replica_source, signal_reporter
@@ -107,6 +108,11 @@ class VLLMModel:
         self.dropped_late = 0  # requests past their deadline when they reached the model
         self.engine_failures = 0  # requests the engine failed (dead, or refused with a status)
         await self.engine.start()
+        # A CPU engine's cores to itself (deployments/cpu_placement.py): only for an engine this
+        # replica built, whose engine-core process is its child.
+        self.cpu_isolation = (
+            isolate(self.settings.cpu_isolation, compute_threads(), self.engine.on_cpu())
+            if engine is None else Isolation(None, "engine supplied by the caller"))
         if reports is None:  # through this node's reporter, batched with its neighbours'
             from deployments.node_reporter import report_link
 
@@ -242,6 +248,7 @@ class VLLMModel:
             "dropped_late": self.dropped_late,
             "engine_alive": not self.engine.errored,
             "engine_failures": self.engine_failures,
+            "cpu_isolation": self.cpu_isolation.describe(),
             "gpu": {"available": gpu.available, "reason": gpu.reason, "read_errors": self.gpu.read_errors,
                     "util_ratio": gpu.util_ratio, "mem_ratio": gpu.mem_ratio},
         }
@@ -265,5 +272,8 @@ class VLLMModel:
         await self.engine.check_health()
 
     async def __del__(self) -> None:
-        await self.reporter.stop()
-        await self.engine.shutdown()
+        try:
+            await self.reporter.stop()
+            await self.engine.shutdown()
+        finally:
+            release(self.cpu_isolation)

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import copy
+import os
 import random
 import time
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 
+from deployments import cpu_placement
 from deployments.enrichments.audit_log import read_all
 from policies.config import parse_policy
 from policies.features import optional_names
@@ -313,6 +316,37 @@ def test_deferred_audit_records_survive_an_ingress_restart(deployed: Cluster, ht
         time.sleep(0.5)
     assert [i for i in written if i in ids] == ids
     admin(http, "DELETE", params={"level": "true"})
+
+
+def _threads_on(pid: int) -> set[tuple[int, ...]]:
+    return {tuple(sorted(os.sched_getaffinity(t.id))) for t in psutil.Process(pid).threads()}
+
+
+def test_the_cpu_engine_keeps_its_cores(deployed: Cluster, http: httpx.Client) -> None:
+    """`deployments/cpu_placement.py` on the real deployment (``cpu_isolation: auto``): every
+    thread of vLLM's engine-core process on a CPU of its own, the model replica, the ingress,
+    every enrichment replica, Serve's proxy and the raylet on the others."""
+    stats = model_stats()
+    iso = stats["cpu_isolation"]
+    node = cpu_placement.node_cpus()
+    if len(node) < 2:
+        assert not iso["active"] and "nothing to separate" in iso["reason"], iso
+        return
+    assert iso["active"], iso
+    engine, service = tuple(iso["engine_cpus"]), tuple(iso["service_cpus"])
+    # the replica has num_cpus 1, so Ray gives it (and its engine) one compute thread
+    assert engine == node[-1:] and service == node[:-1], iso
+    assert len(iso["engine_pids"]) == 1 and psutil.Process(iso["engine_pids"][0]).ppid() == stats["pid"]
+    assert _threads_on(iso["engine_pids"][0]) == {engine}
+    replica = psutil.Process(stats["pid"])
+    raylet = replica.parent()
+    assert raylet is not None and raylet.name() == "raylet"
+    others = {"raylet": raylet.pid, "Ingress": admin(http, "GET", "/admin/brownout")["ingress"]["pid"],
+              **_pids(http),
+              **{p.name(): p.pid for p in raylet.children() if p.name().startswith("ray::ProxyActor")}}
+    assert any(name.startswith("ray::ProxyActor") for name in others), others
+    for name, pid in others.items():
+        assert _threads_on(pid) == {service}, name
 
 
 def _pids(http: httpx.Client) -> dict[str, int]:

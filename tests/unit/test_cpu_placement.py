@@ -1,0 +1,169 @@
+"""A CPU engine's cores to itself (`deployments.cpu_placement`): the plan as a table, then
+`isolate` and `release` on real processes of this machine (a child that names itself as vLLM's
+engine core does), where it has two CPUs or more."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from pydantic import ValidationError
+
+from deployments import cpu_placement as cp
+from deployments.cpu_placement import Placement, descendants, parse_cpu_list, plan
+from deployments.engine import EngineSettings
+
+
+@pytest.mark.parametrize(("setting", "node", "threads", "expected"), [
+    ("auto", [0, 1], 1, Placement(engine=(1,), service=(0,))),  # this machine: one core each
+    ("auto", [1, 0], 1, Placement(engine=(1,), service=(0,))),  # order of the node's list
+    ("auto", list(range(16)), 4, Placement(engine=(12, 13, 14, 15), service=tuple(range(12)))),
+    ("auto", [0, 1, 2, 3], 8, Placement(engine=(1, 2, 3), service=(0,))),  # never every CPU
+    ("auto", [0, 1], 0, Placement(engine=(1,), service=(0,))),  # at least one for the engine
+    ("auto", [4, 6, 7], 1, Placement(engine=(7,), service=(4, 6))),  # a cpuset with gaps
+    ("1", [0, 1], 1, Placement(engine=(1,), service=(0,))),
+    ("0", [0, 1], 1, Placement(engine=(0,), service=(1,))),
+    ("2-3", list(range(8)), 1, Placement(engine=(2, 3), service=(0, 1, 4, 5, 6, 7))),
+])
+def test_plan(setting: str, node: list[int], threads: int, expected: Placement) -> None:
+    placement, _ = plan(setting, node, threads)
+    assert placement == expected
+    assert not set(placement.engine) & set(placement.service)
+
+
+@pytest.mark.parametrize(("setting", "node", "reason"), [
+    ("off", [0, 1], "'off'"),
+    ("auto", [0], "1 CPU"),  # nothing to separate
+    ("auto", [], "0 CPU"),
+])
+def test_plan_nothing_to_do(setting: str, node: list[int], reason: str) -> None:
+    placement, why = plan(setting, node, 1)
+    assert placement is None and reason in why
+
+
+@pytest.mark.parametrize(("setting", "node", "message"), [
+    ("0-1", [0, 1], "takes every CPU"),
+    ("5", [0, 1], "[5]"),
+    ("1,9", [0, 1, 2], "[9]"),
+])
+def test_plan_rejects_a_list_the_node_cannot_hold(setting: str, node: list[int], message: str) -> None:
+    with pytest.raises(ValueError, match="cpu_isolation") as err:
+        plan(setting, node, 1)
+    assert message in str(err.value) and repr(setting) in str(err.value)
+
+
+@pytest.mark.parametrize(("text", "cpus"), [
+    ("1", (1,)), ("0,2-3", (0, 2, 3)), (" 3 , 1 ", (1, 3)), ("2-2", (2,)), ("1,1-2", (1, 2)),
+])
+def test_parse_cpu_list(text: str, cpus: tuple[int, ...]) -> None:
+    assert parse_cpu_list(text) == cpus
+
+
+@pytest.mark.parametrize("text", ["fast", "", "3-1", "-1", "1-", "1,,2", "a-b"])
+def test_parse_cpu_list_rejects(text: str) -> None:
+    with pytest.raises(ValueError, match="cpu_isolation"):
+        parse_cpu_list(text)
+
+
+def test_setting_is_validated_where_it_is_configured() -> None:
+    for good in ("auto", "off", "1", "2-7"):
+        assert EngineSettings(model="m", cpu_isolation=good).cpu_isolation == good
+    with pytest.raises(ValidationError, match="cpu_isolation") as err:
+        EngineSettings(model="m", cpu_isolation="fast")
+    assert "'fast'" in str(err.value)
+
+
+def test_descendants() -> None:
+    parent_of = {2: 1, 3: 2, 4: 2, 5: 9, 6: 4, 1: 0}
+    assert descendants(parent_of, 2) == {2, 3, 4, 6}
+    assert descendants(parent_of, 5) == {5}
+    assert descendants(parent_of, 7) == {7}
+
+
+# -- on this machine's processes ------------------------------------------------------------------
+
+needs_two_cpus = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or len(cp.node_cpus()) < 2 or len(os.sched_getaffinity(0)) < 2,
+    reason="needs Linux and two CPUs or more")
+
+FAKE_ENGINE = ("import time\n"
+               "with open('/proc/self/comm', 'w') as f: f.write('VLLM::EngineCore')\n"
+               "time.sleep(60)\n")
+
+
+def _fake_engine() -> subprocess.Popen[bytes]:
+    """A child of this process that names itself as vLLM does its engine-core process."""
+    proc = subprocess.Popen([sys.executable, "-c", FAKE_ENGINE])
+    deadline = time.monotonic() + 10
+    while cp.process_name(proc.pid) != cp.ENGINE_COMM:
+        assert time.monotonic() < deadline, "the fake engine did not rename itself"
+        time.sleep(0.02)
+    return proc
+
+
+def _threads_on(pid: int) -> set[tuple[int, ...]]:
+    return {tuple(sorted(os.sched_getaffinity(t))) for t in cp.thread_ids(pid)}
+
+
+@needs_two_cpus
+def test_isolate_then_release_on_real_processes() -> None:
+    node = cp.node_cpus()
+    mine = os.sched_getaffinity(0)
+    engine = _fake_engine()
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        iso = cp.isolate("auto", 1, on_cpu=True)
+        described = iso.describe()
+        assert described["active"] and described["engine_pids"] == [engine.pid], described
+        assert _threads_on(engine.pid) == {iso.placement.engine}
+        # this process (every thread) and its other child: the rest of the node
+        assert _threads_on(os.getpid()) == {iso.placement.service}
+        assert _threads_on(bystander.pid) == {iso.placement.service}
+        assert {os.getpid(), bystander.pid} <= set(iso.moved) and engine.pid not in iso.moved
+
+        assert iso.root == os.getpid()  # not under a raylet here: this process's tree
+        # another engine of the same tree still alone on those CPUs: nothing is given back
+        # (one elsewhere on the machine, such as a running service's, does not count)
+        other = _fake_engine()
+        try:
+            cp.set_process_cpus(other.pid, iso.placement.engine)
+            assert cp.release(iso) == 0
+            assert _threads_on(bystander.pid) == {iso.placement.service}
+        finally:
+            other.kill()
+            other.wait()
+
+        assert cp.release(iso) == len(iso.moved)
+        assert _threads_on(os.getpid()) == {node} and _threads_on(bystander.pid) == {node}
+    finally:
+        cp.set_process_cpus(os.getpid(), mine)
+        for p in (engine, bystander):
+            p.kill()
+            p.wait()
+
+
+@needs_two_cpus
+def test_release_leaves_a_process_someone_else_moved() -> None:
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        node = cp.node_cpus()
+        placement = Placement(engine=node[-1:], service=node[:-1])
+        iso = cp.Isolation(placement, "auto", engine_pids=[], moved=[bystander.pid], node=node, root=os.getpid())
+        cp.set_process_cpus(bystander.pid, node[-1:])  # changed since: not ours to undo
+        assert cp.release(iso) == 0
+        assert _threads_on(bystander.pid) == {node[-1:]}
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+def test_nothing_is_moved_for_a_gpu_engine_or_without_an_engine_process() -> None:
+    iso = cp.isolate("auto", 1, on_cpu=False)
+    assert iso.placement is None and "not compute on CPU" in iso.reason and iso.describe()["active"] is False
+    assert cp.isolate("off", 1, on_cpu=True).describe()["active"] is False
+    if len(cp.node_cpus()) >= 2:
+        iso = cp.isolate("auto", 1, on_cpu=True)  # this process has no engine-core child
+        assert iso.placement is None and "no engine-core process" in iso.reason and not iso.moved
