@@ -218,9 +218,10 @@ class Isolation:
                 "engine_pids": list(self.engine_pids), "moved_processes": len(self.moved)}
 
 
-def isolate(setting: str, engine_threads: int, on_cpu: bool) -> Isolation:
-    """Keep this replica's engine-core process on its CPUs and its Ray node's other processes
-    off them (see the module docstring). Call from the model replica once the engine started."""
+def isolate(setting: str, engine_threads: int, on_cpu: bool, replica: int | None = None) -> Isolation:
+    """Keep the replica's engine-core process on its CPUs and its Ray node's other processes
+    off them (see the module docstring). Call from the model replica once the engine started;
+    ``replica``: its pid (default: this process)."""
     if not on_cpu:
         return Isolation(None, "the engine does not compute on CPU")
     if not os.path.isdir("/proc") or not hasattr(os, "sched_setaffinity"):
@@ -229,12 +230,13 @@ def isolate(setting: str, engine_threads: int, on_cpu: bool) -> Isolation:
     placement, reason = plan(setting, node, engine_threads)
     if placement is None:
         return Isolation(None, reason, node=node)
-    engines = engine_children()
+    me = os.getpid() if replica is None else replica
+    engines = engine_children(me)
     if not engines:
         return Isolation(None, "no engine-core process found under this replica", node=node)
     parents = parent_map()
-    raylet = os.getppid()
-    root = raylet if process_name(raylet) == "raylet" else os.getpid()
+    raylet = parents.get(me, -1)
+    root = raylet if process_name(raylet) == "raylet" else me
     moved = []
     for pid in sorted(descendants(parents, root) - set(engines)):
         if set_process_cpus(pid, placement.service):

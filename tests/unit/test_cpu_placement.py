@@ -92,16 +92,38 @@ needs_two_cpus = pytest.mark.skipif(
 FAKE_ENGINE = ("import time\n"
                "with open('/proc/self/comm', 'w') as f: f.write('VLLM::EngineCore')\n"
                "time.sleep(60)\n")
+# a stand-in model replica: starts an engine-core look-alike and one other child, prints their
+# pids, and waits; its tree is all that `isolate` may touch here (its parent is no raylet)
+FAKE_REPLICA = ("import subprocess, sys, time\n"
+                f"e = subprocess.Popen([sys.executable, '-c', {FAKE_ENGINE!r}])\n"
+                "b = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+                "print(e.pid, b.pid, flush=True)\n"
+                "time.sleep(60)\n")
 
 
-def _fake_engine() -> subprocess.Popen[bytes]:
-    """A child of this process that names itself as vLLM does its engine-core process."""
-    proc = subprocess.Popen([sys.executable, "-c", FAKE_ENGINE])
+def _wait_named(pid: int) -> None:
     deadline = time.monotonic() + 10
-    while cp.process_name(proc.pid) != cp.ENGINE_COMM:
+    while cp.process_name(pid) != cp.ENGINE_COMM:
         assert time.monotonic() < deadline, "the fake engine did not rename itself"
         time.sleep(0.02)
-    return proc
+
+
+def _fake_replica() -> tuple[subprocess.Popen[str], int, int]:
+    """(the stand-in replica, its engine-core look-alike's pid, its other child's pid)."""
+    proc = subprocess.Popen([sys.executable, "-c", FAKE_REPLICA], stdout=subprocess.PIPE, text=True)
+    engine, other = (int(x) for x in proc.stdout.readline().split())
+    _wait_named(engine)
+    return proc, engine, other
+
+
+def _end(proc: subprocess.Popen[str], *pids: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+    proc.kill()
+    proc.wait()
 
 
 def _threads_on(pid: int) -> set[tuple[int, ...]]:
@@ -111,38 +133,36 @@ def _threads_on(pid: int) -> set[tuple[int, ...]]:
 @needs_two_cpus
 def test_isolate_then_release_on_real_processes() -> None:
     node = cp.node_cpus()
-    mine = os.sched_getaffinity(0)
-    engine = _fake_engine()
-    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    replica, engine, bystander = _fake_replica()
+    mine = _threads_on(os.getpid())
     try:
-        iso = cp.isolate("auto", 1, on_cpu=True)
+        iso = cp.isolate("auto", 1, on_cpu=True, replica=replica.pid)
         described = iso.describe()
-        assert described["active"] and described["engine_pids"] == [engine.pid], described
-        assert _threads_on(engine.pid) == {iso.placement.engine}
-        # this process (every thread) and its other child: the rest of the node
-        assert _threads_on(os.getpid()) == {iso.placement.service}
-        assert _threads_on(bystander.pid) == {iso.placement.service}
-        assert {os.getpid(), bystander.pid} <= set(iso.moved) and engine.pid not in iso.moved
+        assert described["active"] and described["engine_pids"] == [engine], described
+        assert iso.root == replica.pid  # no raylet above it: the replica's own tree
+        assert _threads_on(engine) == {iso.placement.engine}
+        # the replica (every thread) and its other child: the rest of the node
+        assert _threads_on(replica.pid) == {iso.placement.service}
+        assert _threads_on(bystander) == {iso.placement.service}
+        assert sorted(iso.moved) == sorted([replica.pid, bystander]) and engine not in iso.moved
+        assert _threads_on(os.getpid()) == mine  # outside the tree: untouched
 
-        assert iso.root == os.getpid()  # not under a raylet here: this process's tree
         # another engine of the same tree still alone on those CPUs: nothing is given back
-        # (one elsewhere on the machine, such as a running service's, does not count)
-        other = _fake_engine()
+        other = subprocess.Popen([sys.executable, "-c", FAKE_ENGINE])
         try:
+            _wait_named(other.pid)
+            fake = cp.Isolation(iso.placement, iso.reason, iso.engine_pids, iso.moved, iso.node, root=os.getpid())
             cp.set_process_cpus(other.pid, iso.placement.engine)
-            assert cp.release(iso) == 0
-            assert _threads_on(bystander.pid) == {iso.placement.service}
+            assert cp.release(fake) == 0
+            assert _threads_on(bystander) == {iso.placement.service}
         finally:
             other.kill()
             other.wait()
 
         assert cp.release(iso) == len(iso.moved)
-        assert _threads_on(os.getpid()) == {node} and _threads_on(bystander.pid) == {node}
+        assert _threads_on(replica.pid) == {node} and _threads_on(bystander) == {node}
     finally:
-        cp.set_process_cpus(os.getpid(), mine)
-        for p in (engine, bystander):
-            p.kill()
-            p.wait()
+        _end(replica, engine, bystander)
 
 
 @needs_two_cpus
@@ -167,3 +187,23 @@ def test_nothing_is_moved_for_a_gpu_engine_or_without_an_engine_process() -> Non
     if len(cp.node_cpus()) >= 2:
         iso = cp.isolate("auto", 1, on_cpu=True)  # this process has no engine-core child
         assert iso.placement is None and "no engine-core process" in iso.reason and not iso.moved
+
+
+@needs_two_cpus
+def test_the_benchmark_undoes_and_redoes_the_placement() -> None:
+    """`bench/cpu_isolation.py`'s phases: A puts a Ray node's tree and its engine back on every CPU,
+    I puts them where the model replica had them."""
+    from bench.cpu_isolation import place
+
+    node = cp.node_cpus()
+    tree = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        place(tree.pid, engine.pid, [node[-1]], list(node[:-1]))
+        assert _threads_on(tree.pid) == {node[:-1]} and _threads_on(engine.pid) == {node[-1:]}
+        place(tree.pid, engine.pid, None, None)
+        assert _threads_on(tree.pid) == {node} and _threads_on(engine.pid) == {node}
+    finally:
+        for p in (tree, engine):
+            p.kill()
+            p.wait()
