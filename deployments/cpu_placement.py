@@ -17,9 +17,10 @@ thread of the engine-core process (its child) to the engine's CPUs and moves the
 processes of its Ray node (the raylet and every worker it started: Serve's proxy and controller,
 every replica, the model replica itself) to the remaining CPUs; workers started later inherit
 the raylet's CPUs. Processes outside the raylet's tree (the GCS and dashboard on the head node,
-a load generator, other software) are left alone. When the model replica stops it gives the
-moved processes the node's CPUs back, unless another engine on the node still has its CPUs to
-itself (a replacement replica that started first).
+a load generator, other software) are left alone, and so is any other engine-core process.
+When the model replica stops it gives the node's CPUs back to the processes of the raylet's tree
+still on the others (moved, or started since and so inherited them), unless another engine on
+the node still has its CPUs to itself (a replacement replica that started first).
 
 ``model.cpu_isolation`` chooses (`plan`, pure and table-tested):
 
@@ -238,8 +239,10 @@ def isolate(setting: str, engine_threads: int, on_cpu: bool, replica: int | None
     raylet = parents.get(me, -1)
     root = raylet if process_name(raylet) == "raylet" else me
     moved = []
-    for pid in sorted(descendants(parents, root) - set(engines)):
-        if set_process_cpus(pid, placement.service):
+    for pid in sorted(descendants(parents, root)):
+        # every engine-core stays where it is: ours is placed below, another replica's (one being
+        # replaced, say) must not land on the cores the rest of the node shares
+        if process_name(pid) != ENGINE_COMM and set_process_cpus(pid, placement.service):
             moved.append(pid)
     for pid in engines:
         set_process_cpus(pid, placement.engine)
@@ -249,11 +252,13 @@ def isolate(setting: str, engine_threads: int, on_cpu: bool, replica: int | None
 
 
 def release(iso: Isolation) -> int:
-    """Give the processes `isolate` moved the node's CPUs back, unless another engine-core
-    process of the same Ray node (under the same raylet) still runs alone on the same CPUs;
-    returns how many were given back. A process whose CPUs changed since is left as it is."""
+    """Give the node's CPUs back to every process of the Ray node (the raylet's tree) that is
+    on the rest-of-the-node CPUs: those `isolate` moved and those started since, which inherited
+    them. Not while another engine-core process of the same tree still runs alone on the
+    engine's CPUs (a replacement replica that started first); a process whose CPUs changed
+    otherwise is left as it is. Returns how many processes got the node's CPUs back."""
     p = iso.placement
-    if p is None or not iso.moved or iso.root is None:
+    if p is None or iso.root is None:
         return 0
     tree = descendants(parent_map(), iso.root)
     others = [pid for pid in sorted(tree)
@@ -262,7 +267,7 @@ def release(iso: Isolation) -> int:
         logger.info("CPU isolation kept: engine-core %s still runs on CPUs %s", others, list(p.engine))
         return 0
     n = 0
-    for pid in iso.moved:
-        if process_cpus(pid) == p.service and set_process_cpus(pid, iso.node):
+    for pid in sorted(tree):
+        if pid not in iso.engine_pids and process_cpus(pid) == p.service and set_process_cpus(pid, iso.node):
             n += 1
     return n

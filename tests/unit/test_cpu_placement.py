@@ -147,17 +147,16 @@ def test_isolate_then_release_on_real_processes() -> None:
         assert sorted(iso.moved) == sorted([replica.pid, bystander]) and engine not in iso.moved
         assert _threads_on(os.getpid()) == mine  # outside the tree: untouched
 
-        # another engine of the same tree still alone on those CPUs: nothing is given back
-        other = subprocess.Popen([sys.executable, "-c", FAKE_ENGINE])
+        # one on the rest-of-node CPUs that isolate did not move (started since, it inherited
+        # them from the raylet): given back too
+        late = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
         try:
-            _wait_named(other.pid)
-            fake = cp.Isolation(iso.placement, iso.reason, iso.engine_pids, iso.moved, iso.node, root=os.getpid())
-            cp.set_process_cpus(other.pid, iso.placement.engine)
-            assert cp.release(fake) == 0
-            assert _threads_on(bystander) == {iso.placement.service}
+            cp.set_process_cpus(late.pid, iso.placement.service)
+            late_iso = cp.Isolation(iso.placement, iso.reason, [], [], iso.node, root=late.pid)
+            assert cp.release(late_iso) == 1 and _threads_on(late.pid) == {node}
         finally:
-            other.kill()
-            other.wait()
+            late.kill()
+            late.wait()
 
         assert cp.release(iso) == len(iso.moved)
         assert _threads_on(replica.pid) == {node} and _threads_on(bystander) == {node}
@@ -166,18 +165,28 @@ def test_isolate_then_release_on_real_processes() -> None:
 
 
 @needs_two_cpus
-def test_release_leaves_a_process_someone_else_moved() -> None:
-    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+def test_release_waits_for_another_engine_and_leaves_what_someone_else_moved() -> None:
+    node = cp.node_cpus()
+    placement = Placement(engine=node[-1:], service=node[:-1])
+    replica, engine, bystander = _fake_replica()
     try:
-        node = cp.node_cpus()
-        placement = Placement(engine=node[-1:], service=node[:-1])
-        iso = cp.Isolation(placement, "auto", engine_pids=[], moved=[bystander.pid], node=node, root=os.getpid())
-        cp.set_process_cpus(bystander.pid, node[-1:])  # changed since: not ours to undo
+        # an engine of the same tree (not this isolation's: a replacement) alone on the engine's
+        # CPUs: nothing is given back
+        cp.set_process_cpus(replica.pid, placement.service)
+        cp.set_process_cpus(bystander, placement.service)
+        cp.set_process_cpus(engine, placement.engine)
+        iso = cp.Isolation(placement, "auto", engine_pids=[], moved=[replica.pid, bystander], node=node,
+                           root=replica.pid)
         assert cp.release(iso) == 0
-        assert _threads_on(bystander.pid) == {node[-1:]}
+        assert _threads_on(bystander) == {placement.service}
+        # that engine gone from the engine's CPUs, and the bystander moved by someone else since:
+        # only the replica, still on the rest-of-node CPUs, gets the node's back
+        cp.set_process_cpus(engine, node)
+        cp.set_process_cpus(bystander, placement.engine)
+        assert cp.release(iso) == 1
+        assert _threads_on(replica.pid) == {node} and _threads_on(bystander) == {placement.engine}
     finally:
-        bystander.kill()
-        bystander.wait()
+        _end(replica, engine, bystander)
 
 
 def test_nothing_is_moved_for_a_gpu_engine_or_without_an_engine_process() -> None:
