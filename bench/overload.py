@@ -759,7 +759,7 @@ def raylet_cpus() -> dict[str, Any]:
     equal once Brownout's model replica gave back what its CPU isolation moved."""
     from deployments import cpu_placement as cp
 
-    raylets = [p for p, pp in cp.parent_map().items() if pp == os.getpid() and cp.process_name(p) == "raylet"]
+    raylets = cp.children_named(cp.parent_map(), os.getpid(), "raylet")
     return {"raylet": [list(cp.process_cpus(p) or ()) for p in raylets], "node": list(cp.node_cpus())}
 
 

@@ -195,10 +195,9 @@ def compute_threads() -> int:
     return int(torch.get_num_threads())
 
 
-def engine_children(pid: int | None = None) -> list[int]:
-    """The vLLM engine-core processes started by ``pid`` (default: this one)."""
-    me = os.getpid() if pid is None else pid
-    return sorted(p for p, pp in parent_map().items() if pp == me and process_name(p) == ENGINE_COMM)
+def children_named(parents: Mapping[int, int], pid: int, name: str) -> list[int]:
+    """The processes started by ``pid`` whose name (`process_name`) is ``name``."""
+    return sorted(p for p, pp in parents.items() if pp == pid and process_name(p) == name)
 
 
 @dataclass
@@ -232,10 +231,10 @@ def isolate(setting: str, engine_threads: int, on_cpu: bool, replica: int | None
     if placement is None:
         return Isolation(None, reason, node=node)
     me = os.getpid() if replica is None else replica
-    engines = engine_children(me)
+    parents = parent_map()
+    engines = children_named(parents, me, ENGINE_COMM)
     if not engines:
         return Isolation(None, "no engine-core process found under this replica", node=node)
-    parents = parent_map()
     raylet = parents.get(me, -1)
     root = raylet if process_name(raylet) == "raylet" else me
     moved = []
