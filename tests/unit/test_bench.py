@@ -699,3 +699,30 @@ def test_the_one_class_1_5x_run_sends_standard_on_every_request() -> None:
     assert profile.rate_at(1.0) == 6.0
     name, _, extra = overload.one_class_run(6.0, plan, 2)
     assert name == "adaptive @1.5x standard #2" and extra["repeat"] == 2
+
+
+def test_fixed_runs_are_long_enough_to_judge_a_share_of_critical_requests() -> None:
+    import argparse
+
+    from bench import overload
+    from bench.loadgen import DEFAULT_MIX
+
+    # a fast machine (C0 6 req/s): 60 s at 3 x C0 already hold 216 critical requests
+    assert overload.sized_run_s(60.0, 6.0, DEFAULT_MIX) == 60.0
+    # a slow one (C0 1.26): 60 s would hold 45; 100 / (3 * 1.26 * 0.2) = 132.3 s, rounded up to 5 s
+    assert overload.sized_run_s(60.0, 1.26, DEFAULT_MIX) == 135.0
+    assert overload.sized_run_s(60.0, 1.26, DEFAULT_MIX) * 3 * 1.26 * 0.2 >= overload.MIN_CRITICAL
+    # no mix: every request counts; a tiny C0 is capped, a zero one leaves the floor
+    assert overload.sized_run_s(60.0, 0.3, None) == 115.0
+    assert overload.sized_run_s(60.0, 0.01, DEFAULT_MIX) == overload.MAX_RUN_S
+    assert overload.sized_run_s(60.0, 0.0, DEFAULT_MIX) == 60.0
+    assert overload.sized_run_s(60.0, 1.0, (("standard", 1.0),)) == 60.0  # no critical work to count
+
+    def plan(**kw: object) -> overload.Plan:
+        ns = dict(quick=False, slo_ms=2000.0, run_s=None, drain_s=None, bisect=None, max_tokens=16, mix=None,
+                  no_mix=False, seed=None, no_progress=True, only=None)
+        return overload.Plan(argparse.Namespace(**{**ns, **kw}))
+
+    assert plan().size_runs(1.26) == 135.0
+    assert plan(run_s=45.0).size_runs(1.26) == 45.0  # --run-s is kept whatever C0 is
+    assert plan(quick=True).size_runs(1.26) == 15.0
