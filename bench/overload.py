@@ -1114,6 +1114,16 @@ def ratios(runs: Sequence[dict[str, Any]], capacity: dict[str, Any], slo_ms: flo
                 p0["overall"]["e2e_ms"]["p99"], one["overall"]["e2e_ms"]["p99"])
     if p0 and pa:
         out["pinned0 p99 / adaptive p99 at 1.5xC0"] = _div(p0["overall"]["e2e_ms"]["p99"], pa["overall"]["e2e_ms"]["p99"])
+    if p0:
+        # Whether pinned level 0 fell behind at 1.5 x C0 (completed / offered well below 1) or kept
+        # up with a deeper batch; and the most that ratio can be in this run: no admission rule
+        # serves a request faster than the minimal path does alone, so pinned-0 p99 over level 3's
+        # latency alone bounds pinned-0 p99 / adaptive p99 from above.
+        o = p0["overall"]
+        out["pinned0 @1.5x: completed / offered"] = _div(o["throughput_rps"], o["offered_rps"])
+        alone3 = ((unloaded or {}).get("brownout level 3") or {}).get("unloaded_e2e_ms_p50")
+        out["pinned0 p99 at 1.5xC0 / level 3 alone (ceiling of pinned0 / adaptive p99)"] = _div(
+            o["e2e_ms"]["p99"], alone3)
     hi = _find(runs, "adaptive @3x")
     if hi:
         o = hi["overall"]

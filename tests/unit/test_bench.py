@@ -494,8 +494,13 @@ def test_ratios_and_table_from_run_reports() -> None:
     runs = [run("adaptive @1.5x", 1.0, "1.5x"), run("pinned0 @1.5x", 4.0, "1.5x"), run("adaptive @3x", 1.0, "3x"),
             run("adaptive step", 1.0, "step"), run("adaptive @1.5x standard", 0.5, "1.5x")]
     capacity = {"C0": {"capacity_rps": 2.0}, "C3": {"capacity_rps": 4.0}, "builtin": {"capacity_rps": 2.0}}
-    unloaded = {"brownout level 0": {"unloaded_e2e_ms_p50": 1500.0}, "builtin": {"unloaded_e2e_ms_p50": 1200.0}}
+    unloaded = {"brownout level 0": {"unloaded_e2e_ms_p50": 1500.0}, "builtin": {"unloaded_e2e_ms_p50": 1200.0},
+                "brownout level 3": {"unloaded_e2e_ms_p50": 800.0}}
     r = overload.ratios(runs, capacity, 2000.0, unloaded)
+    # pinned 0's p99 (4 s) over level 3 alone (0.8 s): no adaptive p99 can make the ratio exceed 5
+    assert r["pinned0 p99 at 1.5xC0 / level 3 alone (ceiling of pinned0 / adaptive p99)"] == 5.0
+    # its 20 requests of 4 s each, sent over 10 s, done by 13.5 s: 1.48 completed per 2 offered
+    assert r["pinned0 @1.5x: completed / offered"] == 0.741
     assert r["adaptive: p99 at 1.5xC0 / SLO"] == 0.5 and r["pinned0 p99 / adaptive p99 at 1.5xC0"] == 4.0
     assert r["adaptive: goodput at 3xC0 / C3"] == round(runs[2]["overall"]["goodput_rps"] / 4.0, 3)
     assert r["C3 / built-in capacity"] == 2.0 and r["reaction s (load step -> level >= 1)"] == 1.5
