@@ -183,8 +183,8 @@ class Plan:
         # known (`size_runs`): on a slow machine (C0 1.26 req/s on a 2-core EPYC, 12-02) 60 s held
         # 45, where one late request is 2.2% and ">= 99% within the SLO" cannot be told from 97.8%.
         # --run-s fixes the length whatever C0 is.
-        self.run_s_given = bool(args.run_s)
         self.run_floor_s = self.run_s
+        self.sizes_runs = not (args.run_s or quick)
         self.drain_s = args.drain_s or (10.0 if quick else 15.0)
         self.step_low_s, self.step_high_s = (10.0, 15.0) if quick else (15.0, 25.0)
         self.warm_s = 8.0 if quick else 10.0
@@ -211,8 +211,8 @@ class Plan:
     def size_runs(self, c0: float) -> float:
         """Set (and return) the fixed-rate runs' length for this C0: `sized_run_s`, unless
         ``--run-s`` or ``--quick`` fixed it."""
-        if not (self.run_s_given or self.quick):
-            self.run_s = sized_run_s(self.run_s, c0, self.mix)
+        if self.sizes_runs:
+            self.run_s = sized_run_s(self.run_floor_s, c0, self.mix)
         return self.run_s
 
     def next_seed(self) -> int | None:
@@ -1050,7 +1050,7 @@ def meta(plan: Plan, args: argparse.Namespace, total_s: float, phases: dict[str,
         "request": {"endpoint": "/v1/chat/completions", "stream": True, "max_tokens": plan.max_tokens,
                     "ignore_eos": True, "arrivals": "Poisson (open loop)",
                     "criticality_mix": dict(plan.mix) if plan.mix else None},
-        "durations_s": {"run": plan.run_s, "run_sized": None if plan.run_s_given or plan.quick else {
+        "durations_s": {"run": plan.run_s, "run_sized": None if not plan.sizes_runs else {
                             "floor_s": plan.run_floor_s, "min_critical_at_3x": MIN_CRITICAL, "max_s": MAX_RUN_S},
                         "drain": plan.drain_s,
                         "step": [plan.step_low_s, plan.step_high_s, plan.step_low_s]},
