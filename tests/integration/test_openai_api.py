@@ -156,8 +156,15 @@ def test_completions_bad_prompt_names_field(http: httpx.Client) -> None:
 
 
 def test_client_disconnect_aborts_the_engine_request(deployed: Cluster) -> None:
-    """Closing the connection mid-stream frees the vLLM slot within 1 s."""
-    assert model_stats()["num_running_reqs"] == 0
+    """Closing the connection mid-stream aborts the vLLM request: its slot is freed and it is
+    counted as aborted, not left to run to its 500 tokens.
+
+    The 10 s bound only catches a hang; whether the request was aborted is decided by the
+    abort counter (a request that ran to its end is not counted), not by a stopwatch, which
+    on a slow 2-core machine once read 1.02 s for the whole disconnect-to-free path.
+    """
+    before = model_stats()
+    assert before["num_running_reqs"] == 0
     body = _chat(max_tokens=500, ignore_eos=True, stream=True,
                  messages=[{"role": "user", "content": "go on forever"}])
     client = deployed.client()
@@ -174,6 +181,6 @@ def test_client_disconnect_aborts_the_engine_request(deployed: Cluster) -> None:
         stats = model_stats()
         if stats["num_running_reqs"] == 0 and stats["inflight"] == 0:
             break
-        assert time.monotonic() - closed_at < 1.0, stats
+        assert time.monotonic() - closed_at < 10.0, stats
         time.sleep(0.05)
-    assert model_stats()["aborted_total"] >= 1
+    assert stats["aborted_total"] == before["aborted_total"] + 1, (before, stats)
