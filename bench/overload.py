@@ -369,9 +369,12 @@ def pin_level(base: str, level: int | None, ttl_s: float = 3600) -> None:
     raise RuntimeError(f"level pin {level} not in force after 15 s")
 
 
-def transitions_since(base: str, wall0: float) -> list[dict[str, Any]]:
-    """The policy's level changes since ``wall0`` (the run's start, on the actor's wall clock),
-    each with the signal, value and threshold that caused it: which early signal raised a level."""
+def transitions_since(base: str, wall0: float, origin: float | None = None) -> list[dict[str, Any]]:
+    """The policy's level changes since ``wall0`` (on the actor's wall clock), each with the
+    signal, value and threshold that caused it: which early signal raised a level. ``t_s`` counts
+    from ``origin`` (the load's t = 0, `RunResult.started_at`; default ``wall0``), the clock of the
+    run's profile, its load steps and its polled levels."""
+    origin = wall0 if origin is None else origin
     with http(base) as c:
         r = c.get("/admin/brownout/history", params={"n": 500})
     if r.status_code != 200:
@@ -381,7 +384,7 @@ def transitions_since(base: str, wall0: float) -> list[dict[str, Any]]:
         if t["at"] < wall0:
             continue
         reason = t.get("reason") or {}
-        out.append({"t_s": round(t["at"] - wall0, 3), "from": t["from"], "to": t["to"],
+        out.append({"t_s": round(t["at"] - origin, 3), "from": t["from"], "to": t["to"],
                     **{k: reason[k] for k in ("kind", "signal", "value", "threshold") if k in reason}})
     return out
 
@@ -658,7 +661,7 @@ class Bench:
         noise = NOISE.mean(t0, time.monotonic())
         doc = rep.run_report(name, result, self.plan.slo.slo_ms, system=system, other_cpu_cores=noise, **extra)
         if system == "brownout-adaptive":
-            doc["transitions"] = transitions_since(base, wall0)
+            doc["transitions"] = transitions_since(base, wall0, result.started_at)
         o = doc["overall"]
         log(f"  {name}: offered {o['offered_rps']} goodput {o['goodput_rps']} req/s, p99 {o['e2e_ms']['p99']} ms, "
             f"status {o['status_counts']}, max level {o['max_level_seen']}, other processes used {noise} cores")
@@ -1148,7 +1151,16 @@ def ratios(runs: Sequence[dict[str, Any]], capacity: dict[str, Any], slo_ms: flo
     if stepped and stepped["load_steps_s"]:
         timeline = [(p["t_s"], p["level"]) for p in stepped["levels"]]
         at_step = stepped["load_steps_s"][0]
-        out["reaction s (load step -> level >= 1)"] = rep.reaction_s(timeline, at_step, 1)
+        # when the policy actor changed the level (its own clock; every ingress follows by long-poll)
+        changes = [(t["t_s"], t["to"]) for t in stepped.get("transitions") or [] if "to" in t]
+        if changes:
+            before = [(t, lv) for t, lv in timeline if t <= at_step]
+            start = [(before[-1][0], before[-1][1])] if before and before[-1][0] < changes[0][0] else []
+            out["reaction s (load step -> level >= 1)"] = rep.reaction_s(start + changes, at_step, 1)
+        else:  # no history (an older server): the polls
+            out["reaction s (load step -> level >= 1)"] = rep.reaction_s(timeline, at_step, 1)
+        # the same as the admin API's polls (every 0.5 s) saw it: later by up to a poll and its round trip
+        out["reaction s, as polled (load step -> level >= 1)"] = rep.reaction_s(timeline, at_step, 1)
         # 0 s above means the level was already >= 1 when the load stepped up: this says which
         out["level at the load step"] = next((lv for t, lv in reversed(timeline) if t <= at_step), None)
         out["SLO met again s after the step down"] = stepped.get("slo_met_again_s")

@@ -504,6 +504,15 @@ def test_ratios_and_table_from_run_reports() -> None:
     assert r["adaptive: p99 at 1.5xC0 / SLO"] == 0.5 and r["pinned0 p99 / adaptive p99 at 1.5xC0"] == 4.0
     assert r["adaptive: goodput at 3xC0 / C3"] == round(runs[2]["overall"]["goodput_rps"] / 4.0, 3)
     assert r["C3 / built-in capacity"] == 2.0 and r["reaction s (load step -> level >= 1)"] == 1.5
+    assert r["reaction s, as polled (load step -> level >= 1)"] == 1.5
+    # with the policy actor's history the reaction is when it changed the level, not when a poll saw it
+    runs[3]["transitions"] = [{"t_s": 3.2, "from": 0, "to": 2, "signal": "refused_ratio"}]
+    r2 = overload.ratios(runs, capacity, 2000.0, unloaded)
+    assert r2["reaction s (load step -> level >= 1)"] == 1.2
+    assert r2["reaction s, as polled (load step -> level >= 1)"] == 1.5
+    runs[3]["transitions"] = [{"t_s": 1.0, "from": 0, "to": 1}, {"t_s": 2.5, "from": 1, "to": 2}]
+    assert overload.ratios(runs, capacity, 2000.0, unloaded)["reaction s (load step -> level >= 1)"] == 0.0
+    del runs[3]["transitions"]
     assert r["adaptive: within the SLO at 1.5xC0"] == 1.0
     # the 1.5x load with one class, beside the mixed one
     assert r["adaptive, standard only: within the SLO at 1.5xC0"] == 1.0
