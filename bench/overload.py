@@ -369,12 +369,11 @@ def pin_level(base: str, level: int | None, ttl_s: float = 3600) -> None:
     raise RuntimeError(f"level pin {level} not in force after 15 s")
 
 
-def transitions_since(base: str, wall0: float, origin: float | None = None) -> list[dict[str, Any]]:
+def transitions_since(base: str, wall0: float, origin: float) -> list[dict[str, Any]]:
     """The policy's level changes since ``wall0`` (on the actor's wall clock), each with the
     signal, value and threshold that caused it: which early signal raised a level. ``t_s`` counts
-    from ``origin`` (the load's t = 0, `RunResult.started_at`; default ``wall0``), the clock of the
-    run's profile, its load steps and its polled levels."""
-    origin = wall0 if origin is None else origin
+    from ``origin`` (the load's t = 0, `RunResult.started_at`), the clock of the run's profile,
+    its load steps and its polled levels."""
     with http(base) as c:
         r = c.get("/admin/brownout/history", params={"n": 500})
     if r.status_code != 200:
@@ -1151,16 +1150,17 @@ def ratios(runs: Sequence[dict[str, Any]], capacity: dict[str, Any], slo_ms: flo
     if stepped and stepped["load_steps_s"]:
         timeline = [(p["t_s"], p["level"]) for p in stepped["levels"]]
         at_step = stepped["load_steps_s"][0]
-        # when the policy actor changed the level (its own clock; every ingress follows by long-poll)
+        # as the admin API's polls (every 0.5 s) saw it: later by up to a poll and its round trip
+        polled = rep.reaction_s(timeline, at_step, 1)
+        # when the policy actor changed the level (its own clock; every ingress follows by long-poll),
+        # from the level polled before its first change; without a history (an older server) the polls
         changes = [(t["t_s"], t["to"]) for t in stepped.get("transitions") or [] if "to" in t]
         if changes:
-            before = [(t, lv) for t, lv in timeline if t <= at_step]
-            start = [(before[-1][0], before[-1][1])] if before and before[-1][0] < changes[0][0] else []
-            out["reaction s (load step -> level >= 1)"] = rep.reaction_s(start + changes, at_step, 1)
-        else:  # no history (an older server): the polls
-            out["reaction s (load step -> level >= 1)"] = rep.reaction_s(timeline, at_step, 1)
-        # the same as the admin API's polls (every 0.5 s) saw it: later by up to a poll and its round trip
-        out["reaction s, as polled (load step -> level >= 1)"] = rep.reaction_s(timeline, at_step, 1)
+            before = [p for p in timeline if p[0] <= at_step and p[0] < changes[0][0]][-1:]
+            out["reaction s (load step -> level >= 1)"] = rep.reaction_s(before + changes, at_step, 1)
+        else:
+            out["reaction s (load step -> level >= 1)"] = polled
+        out["reaction s, as polled (load step -> level >= 1)"] = polled
         # 0 s above means the level was already >= 1 when the load stepped up: this says which
         out["level at the load step"] = next((lv for t, lv in reversed(timeline) if t <= at_step), None)
         out["SLO met again s after the step down"] = stepped.get("slo_met_again_s")
