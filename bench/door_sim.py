@@ -11,7 +11,10 @@ settings at once:
 - the engine: processor sharing, each of ``n`` requests in flight progressing at ``1 /
   latency(n)`` of its work per second; ``latency`` one of three shapes (``concave``: the shape
   measured on 2 cores, 0.78 s alone, steep to 4 in flight and nearly flat to the batch of 16;
-  ``linear``; ``convex``), times ``--scale``, queueing past the batch;
+  ``linear``; ``convex``; ``knee``: the 2-core EPYC of 12-03, measured from the clients' records
+  of an adaptive run (each request's latency against the requests in flight over its life): 0.62
+  s alone, 0.11 s more per request up to 9 in flight and 0.41 s per request past that, where
+  the CPU runs out), times ``--scale``, queueing past the batch;
 - noise: each request's work is lognormal (``--noise``, the log's standard deviation), and the
   engine's speed drifts as a random walk every 5 s (``--drift``), within 0.75-1.4;
 - the gate's critical wait (`serve_app.admission`: a critical request at a full door waits up to
@@ -50,6 +53,7 @@ from policies.config import AdmissionConfig, SloConfig  # noqa: E402
 
 CLASSES = tuple(Criticality)
 BATCH = 16
+SHAPES = ("concave", "linear", "convex", "knee")
 
 
 def engine_latency(n: float, shape: str = "concave") -> float:
@@ -61,8 +65,10 @@ def engine_latency(n: float, shape: str = "concave") -> float:
         within = 0.78 + 0.07 * k
     elif shape == "convex":
         within = 0.78 + 0.004 * k * k
+    elif shape == "knee":
+        within = 0.62 + 0.11 * k + 0.3 * max(0.0, k - 8)
     else:
-        raise ValueError(f"shape: unknown {shape!r}; valid: concave, linear, convex")
+        raise ValueError(f"shape: unknown {shape!r}; valid: {', '.join(SHAPES)}")
     return within * max(1.0, n / BATCH)
 
 
@@ -161,15 +167,19 @@ def summarize(runs: list[dict]) -> dict:
     }
 
 
-# Issue 10's benchmark phases on three days of this machine: (name, rate req/s, engine scale),
-# the scale set so that one request alone takes what that day's runs measured (0.78 s at 1).
+# Issue 10's benchmark phases on four days of this machine: (name, rate req/s, engine scale,
+# shape or None for ``--shape``), the scale set so that one request alone takes what that day's
+# runs measured (0.78 s at 1).
 DAYS = {
-    "12-01": ("C0 5.89 req/s, one request alone 0.76 s", 5.89, 1.0),
-    "12-02": ("C0 4.31 req/s, one request alone 0.75 s", 4.31, 0.95),
-    "12-02-slow": ("C0 2.34 req/s, one request alone 0.85-1.02 s", 2.34, 1.15),
+    "12-01": ("C0 5.89 req/s, one request alone 0.76 s", 5.89, 1.0, None),
+    "12-02": ("C0 4.31 req/s, one request alone 0.75 s", 4.31, 0.95, None),
+    "12-02-slow": ("C0 2.34 req/s, one request alone 0.85-1.02 s", 2.34, 1.15, None),
+    "12-03-epyc": ("2-core EPYC: C0 1.04 req/s, one request alone 0.65-0.80 s, a knee at 9 in flight",
+                   1.04, 1.0, "knee"),
 }
 PRESETS = {
-    day: [(f"{day} {x:g} x C0", round(x * c0, 2), scale) for x in (1.0, 1.5, 3.0)] for day, (_, c0, scale) in DAYS.items()
+    day: [(f"{day} {x:g} x C0", round(x * c0, 2), scale, shape) for x in (1.0, 1.5, 3.0)]
+    for day, (_, c0, scale, shape) in DAYS.items()
 }
 PRESETS["issue10"] = [row for day in DAYS for row in PRESETS[day] if not row[0].endswith(" 1 x C0")]
 
@@ -179,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", choices=sorted(PRESETS), help="scenarios instead of --rate/--scale")
     ap.add_argument("--rate", type=float, default=12.93, help="arrivals per second")
     ap.add_argument("--scale", type=float, default=0.95, help="engine latency multiplier")
-    ap.add_argument("--shape", default="concave", choices=("concave", "linear", "convex"))
+    ap.add_argument("--shape", default="concave", choices=SHAPES, help="where a preset day sets none")
     ap.add_argument("--shares", action="append", default=None,
                     help="class_share critical,standard,sheddable (repeat to compare; default 1,0.9,0.75)")
     ap.add_argument("--reserve-quantile", type=float, action="append", default=None)
@@ -193,13 +203,14 @@ def main(argv: list[str] | None = None) -> int:
     for s in settings:
         if len(s.shares) != 3:
             ap.error(f"--shares: need three values critical,standard,sheddable, got {s.shares}")
-    scenarios = PRESETS[args.preset] if args.preset else [(f"{args.rate:g} req/s", args.rate, args.scale)]
+    scenarios = PRESETS[args.preset] if args.preset else [(f"{args.rate:g} req/s", args.rate, args.scale, None)]
     results = []
-    for name, rate, scale in scenarios:
+    for name, rate, scale, shape in scenarios:
+        shape = shape or args.shape
         for s in settings:
-            runs = [simulate(s, rate, seed, scale=scale, shape=args.shape, noise=args.noise, drift=args.drift)
+            runs = [simulate(s, rate, seed, scale=scale, shape=shape, noise=args.noise, drift=args.drift)
                     for seed in range(1, args.seeds + 1)]
-            row = {"scenario": name, "rate": rate, "scale": scale, "shape": args.shape, "setting": s.label,
+            row = {"scenario": name, "rate": rate, "scale": scale, "shape": shape, "setting": s.label,
                    **summarize(runs)}
             results.append(row)
             print(f"{name:>18}  {s.label:42}  goodput {row['goodput_rps']:5.2f}  within {row['within_slo']:.3f}  "
@@ -209,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         meta = {"command": "bench/door_sim.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                 "seeds": args.seeds, "noise": args.noise, "drift": args.drift, "model": "see bench/door_sim.py",
-                "days": {day: note for day, (note, _, _) in DAYS.items()}}
+                "days": {day: note for day, (note, _, _, _) in DAYS.items()}}
         args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
     return 0
 

@@ -296,13 +296,36 @@ class ServiceModel:
     one measured point at ``n = 1`` that fades like the others. Every completion counts, at any
     load: there is no busy/idle distinction to get wrong, and a capacity change (another level,
     a slower replica, a noisy neighbour) is tracked within a few windows.
+
+    Past the recent points, a remembered floor. The line is local: its points fade within a few
+    windows, so after a lull it is fitted where the lull ran (one or two in flight), and its
+    extrapolation to the caps forgets what a burst measured there a minute before. Measured on
+    the 2-core EPYC (12-03, 3 x C0, from the clients' records): latency grew about 0.1 s per
+    request up to 9 in flight and 0.3-0.4 s per request past that; in a lull of a few seconds
+    the fitted slope fell from 0.108 to 0.059 s and critical's cap rose from 12 to 16, and the
+    burst that followed ran 13 in flight at 2.2-2.4 s where the line said 1.65 s (ten requests
+    late, one of them critical). So each completion also goes into the bucket of its
+    concurrency (``round(m)``, the point's ``x + 1``), a mean latency whose weight fades with
+    time (`FLOOR_TAU_S`, 60 s). Above the highest bucket measured in the last `FLOOR_FRESH_S`
+    (where the line's recent points are, and the line is the better guide), every bucket that
+    still weighs `FLOOR_MIN_WEIGHT` completions is a floor under the prediction at its
+    concurrency and above (`floor`): the door does not admit into a concurrency measured too
+    slow within about the last minute, whatever the line extrapolates. A level's model starts
+    without buckets (`copy` takes the line only): another level runs at another speed.
     """
 
     RIDGE = 2.0  # weight (completions x requests^2) of the slope in force against the points' spread
     MIN_SLOPE = 1e-3  # seconds per request: a flat or falling fitted line is read as this
 
+    # the remembered floor (see the class docstring): a bucket's weight fades with this time
+    # constant, it counts while it weighs at least FLOOR_MIN_WEIGHT completions, and the line
+    # rules up to the highest bucket measured within FLOOR_FRESH_S
+    FLOOR_TAU_S = 60.0
+    FLOOR_MIN_WEIGHT = 3.0
+    FLOOR_FRESH_S = 5.0
+
     __slots__ = ("base_s", "per_request_s", "slots", "window_s", "alpha", "_measured", "_opened_at",
-                 "_window", "_sums")
+                 "_window", "_sums", "_buckets", "_floor")
 
     def __init__(self, base_s: float, per_request_s: float, window_s: float = 1.0, alpha: float = 0.3,
                  trusted: bool = False, slots: int | None = None) -> None:
@@ -323,6 +346,8 @@ class ServiceModel:
         self._window = [0.0] * 5  # the open window's sums: weight, x, y, x * x, x * y
         # the faded sums of the points before it; an operator's rate is one point at n = 1
         self._sums = [1.0, 0.0, self.base_s, 0.0, 0.0] if trusted else [0.0] * 5
+        self._buckets: dict[int, list[float]] = {}  # concurrency -> [weight, sum of latencies, when]
+        self._floor: dict[int, float] = {}  # `floor`, as of the latest completion
 
     @classmethod
     def from_rate(cls, rate_per_s: float, window_s: float = 1.0, alpha: float = 0.3,
@@ -341,10 +366,20 @@ class ServiceModel:
             return 1.0 / self.per_request_s
         return self.slots / self.latency_s(self.slots)
 
+    def floor(self) -> dict[int, float]:
+        """The remembered floor in force, as of the latest completion: per concurrency above the
+        line's fresh reach (the highest bucket measured within `FLOOR_FRESH_S`), the mean latency
+        measured there, for the buckets that still weigh `FLOOR_MIN_WEIGHT` completions after
+        fading by `FLOOR_TAU_S`. Empty where nothing was measured past the reach."""
+        return dict(self._floor)
+
+    def _floor_s(self, n: float) -> float:
+        return max((v for k, v in self._floor.items() if k <= n), default=0.0)
+
     def latency_s(self, n: float) -> float:
         """Predicted latency of a request sharing the server with ``n`` requests, itself included."""
         n = max(1.0, n)
-        line = self.base_s + self.per_request_s * (n - 1.0)
+        line = max(self.base_s + self.per_request_s * (n - 1.0), self._floor_s(n))
         if self.slots is None or n <= self.slots:
             return line
         return max(line, self.latency_s(self.slots) * n / self.slots)
@@ -352,6 +387,10 @@ class ServiceModel:
     def max_within(self, limit_s: float) -> int:
         """The most requests in flight at which ``latency_s`` is at most ``limit_s``; at least 1."""
         n_line = math.floor((limit_s - self.base_s) / self.per_request_s + 1e-9) + 1
+        for k, v in self._floor.items():  # the first concurrency remembered too slow, and above
+            if v > limit_s:
+                n_line = min(n_line, k - 1)
+                break
         if self.slots is None or n_line <= self.slots:
             return max(1, n_line)
         n_queue = math.floor(limit_s * self.slots / self.latency_s(self.slots) + 1e-9)
@@ -388,6 +427,7 @@ class ServiceModel:
         x, y = m - 1.0, latency_s
         if self.slots is not None and m > self.slots:  # it queued: the full batch it implies
             x, y = self.slots - 1.0, latency_s * self.slots / m
+        self._remember(now, x + 1.0, y)
         w = self._window
         w[0] += 1.0
         w[1] += x
@@ -404,6 +444,22 @@ class ServiceModel:
         self._opened_at, self._window, self._measured = None, [0.0] * 5, True
         self._fit()
         return True
+
+    def _remember(self, now: float, m: float, latency_s: float) -> None:
+        """Fold one completion into the bucket of its concurrency (``round(m)``), and recompute
+        `floor` as of ``now``."""
+        k = max(1, round(m))
+        b = self._buckets.get(k)
+        if b is None:
+            self._buckets[k] = [1.0, latency_s, now]
+        else:
+            keep = math.exp(-max(0.0, now - b[2]) / self.FLOOR_TAU_S)
+            b[0], b[1], b[2] = b[0] * keep + 1.0, b[1] * keep + latency_s, max(b[2], now)
+        reach = max((j for j, c in self._buckets.items() if now - c[2] <= self.FLOOR_FRESH_S), default=0)
+        self._floor = {
+            j: c[1] / c[0] for j, c in sorted(self._buckets.items())
+            if j > reach and c[0] * math.exp(-max(0.0, now - c[2]) / self.FLOOR_TAU_S) >= self.FLOOR_MIN_WEIGHT
+        }
 
     def _fit(self) -> None:
         n, sx, sy, sxx, sxy = self._sums

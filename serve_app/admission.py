@@ -372,6 +372,8 @@ class AdmissionGate:
             "rate_per_s": None if ctl is None else round(ctl.rate_per_s, 3),
             "base_latency_s": None if ctl is None else round(ctl.model.base_s, 3),
             "per_request_s": None if ctl is None else round(ctl.model.per_request_s, 3),
+            # latency measured past the line's recent points, per concurrency: a floor under it
+            "latency_floor_s": None if ctl is None else {str(k): round(v, 3) for k, v in ctl.model.floor().items()},
             "level": self.level,
             "slots": None if ctl is None else ctl.slots,
             "model_replicas": None if ctl is None else ctl.model_replicas,

@@ -307,6 +307,70 @@ def test_light_load_does_not_hide_the_capacity_at_full_load() -> None:
     assert [ctl.max_admitted(k) for k in (C, S, D)] == caps
 
 
+def completions(model: ServiceModel, n: int, latency: float, seconds: float, t0: float) -> float:
+    """Completions of requests that each shared the server with ``n`` and took ``latency``, ``n``
+    of them every ``latency`` seconds (Little's law); returns the end time."""
+    t, gap = t0, latency / n
+    while t < t0 + seconds:
+        t += gap
+        model.observe(t, latency, latency / n)
+    return t
+
+
+def knee_then_lull(model: ServiceModel, burst: bool = True) -> float:
+    """Load on a server whose latency is ``0.7 + 0.1 * (n - 1)`` up to 9 in flight and 2.3 s at
+    11 (the EPYC's knee): 20 s at 4 in flight, a burst of 6 s at 11 (or more of the 4), then a
+    lull of 30 s at 1-3 in flight that reads a flatter slope there (0.78, 0.82 and 0.86 s), as
+    lulls did on the EPYC."""
+    t = completions(model, 4, 1.0, 20.0, 0.0)
+    t = completions(model, 11, 2.3, 6.0, t) if burst else completions(model, 4, 1.0, 6.0, t)
+    for _ in range(10):
+        t = completions(model, 1, 0.78, 1.0, t)
+        t = completions(model, 2, 0.82, 1.0, t)
+        t = completions(model, 3, 0.86, 1.0, t)
+    return t
+
+
+def test_a_concurrency_measured_slow_holds_the_caps_after_the_line_forgot_it() -> None:
+    """The line fades within a few windows: after the lull it is fitted at 1-2 in flight and
+    admits past the knee; the bucket of 11 remembers 2.3 s there, so the cap for a 1.9 s limit
+    stays below 11 (without the burst, nothing is remembered and the line rules)."""
+    model = ServiceModel(0.7, 0.1, slots=16)
+    knee_then_lull(model)
+    assert model.floor() == {4: pytest.approx(1.0), 11: pytest.approx(2.3)}  # above the lull's 1-3
+    assert model.base_s + model.per_request_s * 10 < 1.9  # the line alone would admit 11
+    assert model.max_within(1.9) == 10 and model.latency_s(11) == pytest.approx(2.3)
+    assert model.latency_s(3) == pytest.approx(model.base_s + model.per_request_s * 2)  # where fresh: the line
+    plain = ServiceModel(0.7, 0.1, slots=16)
+    knee_then_lull(plain, burst=False)
+    assert plain.floor() == {4: pytest.approx(1.0)} and plain.max_within(1.9) >= 12
+
+
+def test_the_floor_gives_way_to_fresh_points_and_fades() -> None:
+    # fresh points at 12 in flight, on the line: the line is measured there, the bucket of 11 no longer rules
+    model = ServiceModel(0.7, 0.1, slots=16)
+    t = knee_then_lull(model)
+    completions(model, 12, 0.7 + 0.1 * 11, 3.0, t)
+    assert model.floor() == {} and model.max_within(1.9) >= 12
+    # a long lull: the bucket's weight (the burst's 27 completions) fades below FLOOR_MIN_WEIGHT
+    # within FLOOR_TAU_S * ln(27 / 3), about two minutes after the burst
+    model = ServiceModel(0.7, 0.1, slots=16)
+    t = knee_then_lull(model)
+    t = completions(model, 1, 0.7, 60.0, t)
+    assert 11 in model.floor()
+    completions(model, 1, 0.7, 60.0, t)
+    assert 11 not in model.floor()
+
+
+def test_a_level_starts_without_the_floor() -> None:
+    ctl = controller(slots=16)
+    knee_then_lull(ctl.model)
+    ctl._recompute()
+    assert ctl.model.floor() and ctl.max_admitted(C) <= 10
+    ctl.set_level(2)
+    assert ctl.model.floor() == {}  # another level runs at another speed: the line is copied, not the buckets
+
+
 def concave(n: float) -> float:
     """A batching engine's latency (the shape measured on 2 cores): 0.78 s alone, a steep rise to
     about 1.3 s at 4 in flight, then nearly flat to the batch of 16, queueing past it. The door

@@ -30,6 +30,9 @@ def test_engine_shapes() -> None:
     for shape in ("concave", "linear", "convex"):
         assert door_sim.engine_latency(1, shape) == pytest.approx(0.78)
         assert door_sim.engine_latency(32, shape) == pytest.approx(2 * door_sim.engine_latency(16, shape))
+    assert door_sim.engine_latency(1, "knee") == pytest.approx(0.62)  # the EPYC's: 0.11 s a request, 0.41 past 9
+    assert door_sim.engine_latency(9, "knee") - door_sim.engine_latency(8, "knee") == pytest.approx(0.11)
+    assert door_sim.engine_latency(11, "knee") - door_sim.engine_latency(10, "knee") == pytest.approx(0.41)
     with pytest.raises(ValueError, match="shape: unknown 'flat'"):
         door_sim.engine_latency(2, "flat")
 
