@@ -310,8 +310,11 @@ class ServiceModel:
     (where the line's recent points are, and the line is the better guide), every bucket that
     still weighs `FLOOR_MIN_WEIGHT` completions is a floor under the prediction at its
     concurrency and above (`floor`): the door does not admit into a concurrency measured too
-    slow within about the last minute, whatever the line extrapolates. A level's model starts
-    without buckets (`copy` takes the line only): another level runs at another speed.
+    slow within about the last minute, whatever the line extrapolates. A bucket the caps keep
+    the door out of is not measured again, so it lasts until its weight has faded below the
+    minimum: ``FLOOR_TAU_S * ln(weight / FLOOR_MIN_WEIGHT)``, one to three minutes for 10-60
+    completions (after a capacity gain the caps stay below it that long). A level's model
+    starts without buckets (`copy` takes the line only): another level runs at another speed.
     """
 
     RIDGE = 2.0  # weight (completions x requests^2) of the slope in force against the points' spread
