@@ -5,7 +5,8 @@ each run this takes the requests that got a 200, counts how many of them were in
 moment (from each one's send to its last byte, on the client's clock), and gives each request
 the time average of that count over its own life, ``m``: the concurrency it shared the server
 with. Requests are then grouped by ``round(m)``; per group: how many, the median, 90th
-percentile and largest end-to-end latency, and the requests late against ``--slo-ms`` (with
+percentile (the project's one percentile, `deployments.window.percentile`) and largest
+end-to-end latency, and the requests late against ``--slo-ms`` (with
 the concurrency at their send, their class and when they were sent).
 
 This is how the EPYC's knee was found (README, 12-03): about 0.1 s more per request up to 9 in
@@ -24,11 +25,15 @@ from __future__ import annotations
 import argparse
 import bisect
 import json
-import statistics
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from deployments.window import percentile  # noqa: E402
 
 
 def concurrency(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -64,15 +69,15 @@ def concurrency(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def table(rows: Sequence[dict[str, Any]], slo_s: float) -> dict[str, Any]:
-    """Per ``round(m)``: count, median, p90 (nearest rank), max latency; and the late requests."""
+    """Per ``round(m)``: count, median, p90, max latency; and the late requests."""
     groups: dict[int, list[float]] = {}
     for r in rows:
         groups.setdefault(max(1, round(r["m"])), []).append(r["e2e_s"])
     out = {}
     for k in sorted(groups):
         v = sorted(groups[k])
-        out[k] = {"n": len(v), "median_s": round(statistics.median(v), 3),
-                  "p90_s": round(v[max(0, -(-9 * len(v) // 10) - 1)], 3), "max_s": round(v[-1], 3)}
+        out[k] = {"n": len(v), "median_s": round(percentile(v, 50), 3), "p90_s": round(percentile(v, 90), 3),
+                  "max_s": round(v[-1], 3)}
     late = [{"m": round(r["m"], 1), "e2e_s": round(r["e2e_s"], 3), "at_send": r["at_send"],
              "criticality": r["criticality"], "sent_s": round(r["sent_s"], 1)} for r in rows if r["e2e_s"] > slo_s]
     return {"by_concurrency": out, "late": late}
