@@ -479,6 +479,10 @@ class ServiceModel:
         self.base_s, self.per_request_s = base, slope
 
 
+# Unless the policy sets admission.wait_smoothing_s, the predicted wait averages the requests in
+# flight over this many times the latency of one request alone (`AdmissionController.signals`).
+WAIT_SMOOTHING_ALONE = 2.0
+
 # A class is shut out only while the classes above it arrive faster than the server completes
 # requests by more than this many standard deviations of their measured rate (`rate_lower_bound`).
 # The estimate rests on a few arrivals (0.5/s over a 10 s time constant: about five), so the
@@ -924,12 +928,20 @@ class AdmissionController:
         """Seconds for ``in_flight`` requests to drain at the saturation rate."""
         return in_flight / self.model.rate_per_s
 
-    def _smoothed_in_flight(self, in_flight: int, now: float) -> float:
-        """The requests in flight averaged over ``wait_smoothing_s`` (an exponential average of
-        the counts ``signals`` is called with, weighted by the time between calls); the count
-        itself when the setting is 0 or on the first call. Exactly 0 once nothing is in flight
-        and the average has fallen below a hundredth of a request."""
+    @property
+    def wait_smoothing_s(self) -> float:
+        """The time constant ``signals`` averages the requests in flight over: the policy's
+        ``admission.wait_smoothing_s``, or where it is unset `WAIT_SMOOTHING_ALONE` times the
+        latency of one request alone in the model in force."""
         tau = self.settings.wait_smoothing_s
+        return WAIT_SMOOTHING_ALONE * self.model.latency_s(1) if tau is None else tau
+
+    def _smoothed_in_flight(self, in_flight: int, now: float) -> float:
+        """The requests in flight averaged over `wait_smoothing_s` (an exponential average of
+        the counts ``signals`` is called with, weighted by the time between calls); the count
+        itself when it is 0 or on the first call. Exactly 0 once nothing is in flight and the
+        average has fallen below a hundredth of a request."""
+        tau = self.wait_smoothing_s
         prev, at = self._in_flight_avg
         if tau <= 0 or at is None:
             avg, at = float(in_flight), now if at is None else max(at, now)
@@ -954,14 +966,21 @@ class AdmissionController:
         whatever the unloaded latency, and a level triggered at a fraction of the SLO fires when
         queueing has used that fraction of the room. Where one request alone takes little of the
         SLO it is the plain queueing delay. The count of requests in flight is averaged over
-        ``wait_smoothing_s`` (4 s): the door decides on the instant count, but a level switches
-        features off for at least its dwell (30 s), so it follows sustained load, not a clump of
-        two Poisson arrivals (on 2 cores, where one request alone takes 40% of a 4 s SLO, two
-        requests in flight for a moment read 64%, level 2; averaged, such a moment of 1.8 s at
-        half of C0 stays near 30%, below level 1's 35%, while three requests in flight reach 35%
-        within 2 s, and refusals at the door raise the level at once). It falls to exactly 0
-        within a few time constants once nothing is in flight, so a level raised on it can always
-        recover when the load is gone.
+        `wait_smoothing_s`: the door decides on the instant count, but a level switches features
+        off for at least its dwell (30 s), so it follows sustained load, not a clump of two
+        Poisson arrivals. A clump lasts about one request's latency, so the time constant is
+        `WAIT_SMOOTHING_ALONE` (2) latencies of one request alone unless the policy sets one: a
+        clump of two then moves the average by well under one request, while a step to overload
+        keeps the count up and reaches the trigger within about two latencies. Measured
+        (replayed on the admission polls, 0.5 s apart, of the step profiles of six runs on the
+        2-core EPYC at level 0 at the step, one request alone 0.7-0.9 s): at 4 s, the setting
+        before, this signal would have raised level 1 3.0-5.0 s after the step in the four runs
+        of 12-03 and 8.9 and 15.2 s in the two of 12-02 (refusals came first: 2.9-3.6 s in the
+        seed-7 runs of 12-03); at 1.5 s, 1.45-1.97 s and 2.5 and 3.9 s. In the 0.5 x C0 phase
+        before the step (28 polls per run) it read 35% at one poll in two of nine runs (at 4 s:
+        none). The fixed 4 s was chosen on a machine where one request alone took 1.5 s of a
+        4 s SLO; twice that is 3 s there. It falls to exactly 0 within a few time constants once nothing is in flight, so
+        a level raised on it can always recover when the load is gone.
 
         ``refused_ratio``: the share of this replica's door decisions over the last
         ``refusal_window_s`` that refused for capacity (see the module docstring).

@@ -81,7 +81,8 @@ SIGNAL_AGGREGATION: Mapping[str, Literal["sum", "max"]] = {
     "predicted_wait_ms": "max",  # the ingress admission controller's predicted queueing delay:
     #                              the service model's latency with the requests in flight
     #                              ahead less its latency alone (the count averaged over
-    #                              admission.wait_smoothing_s), scaled so it
+    #                              admission.wait_smoothing_s, by default twice the
+    #                              latency alone), scaled so it
     #                              reaches the SLO when a new request would miss it
     "refused_ratio": "max",  # 0-1, share of requests an ingress refused at the door for capacity
     #                          (429/503) over admission.refusal_window_s: demand beyond what
@@ -368,10 +369,11 @@ class AdmissionConfig(_Strict):
         description="the refused_ratio signal is the share of requests refused at the door for "
         "capacity over the last this-many seconds",
     )
-    wait_smoothing_s: float = Field(
-        default=4.0, ge=0.0, le=60.0, allow_inf_nan=False,
+    wait_smoothing_s: float | None = Field(
+        default=None, ge=0.0, le=60.0, allow_inf_nan=False,
         description="time constant over which the predicted_wait_ms signal averages the requests "
-        "in flight (0: the instant count): levels follow sustained load, the door every request",
+        "in flight (0: the instant count; unset: twice the measured latency of one request "
+        "alone): levels follow sustained load, the door every request",
     )
     preempt_waiting: bool = Field(
         default=True,

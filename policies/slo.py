@@ -33,7 +33,8 @@ The rule, and why:
   one request alone takes much of it (4 s SLO, 1.5 s alone on 2 CPU cores, each request in
   flight adding about 0.8 s), the room holds three requests: one in flight on average stays
   at level 0, two raise level 2 and three level 3, which is what such a machine needs. The
-  count is averaged over ``admission.wait_smoothing_s`` (4 s), so a moment of two Poisson
+  count is averaged over ``admission.wait_smoothing_s`` (by default twice the measured
+  latency of one request alone: about 1.5 s on 2 cores with the embedded model), so a moment of two Poisson
   arrivals at half the capacity does not switch features off for a whole dwell; sustained,
   the levels come within seconds (and refusals at the door raise them at once). Level 1 sits
   at 35% rather than lower so that a single request in flight on such a machine (about a

@@ -374,6 +374,8 @@ class AdmissionGate:
             "per_request_s": None if ctl is None else round(ctl.model.per_request_s, 3),
             # latency measured past the line's recent points, per concurrency: a floor under it
             "latency_floor_s": None if ctl is None else {str(k): round(v, 3) for k, v in ctl.model.floor().items()},
+            # the time constant the predicted_wait_ms signal averages the requests in flight over
+            "wait_smoothing_s": None if ctl is None else round(ctl.wait_smoothing_s, 3),
             "level": self.level,
             "slots": None if ctl is None else ctl.slots,
             "model_replicas": None if ctl is None else ctl.model_replicas,

@@ -932,6 +932,40 @@ def test_predicted_wait_averages_the_requests_in_flight_over_the_smoothing_time(
     assert ctl.signals(3, t + 0.25)["predicted_wait_ms"] == pytest.approx(3 * per_in_flight, rel=0.01)
 
 
+def test_unset_smoothing_is_twice_the_latency_alone_and_follows_the_model() -> None:
+    slow = AdmissionConfig(overhead_ms=100, prior_rate_per_s=1.0, reserve_quantile=0.0)  # 1 s alone
+    ctl = controller(settings_=slow, slots=8)
+    assert slow.wait_smoothing_s is None
+    assert ctl.wait_smoothing_s == pytest.approx(2 * ctl.model.latency_s(1)) == pytest.approx(2.0)
+    t = 0.0
+    for _ in range(20):  # served one at a time at 0.5 s: the model moves, and the time constant with it
+        t += 1.0
+        ctl.observe_completion(t, 0.5, 0.5)
+    assert ctl.model.latency_s(1) == pytest.approx(0.5, rel=0.05)
+    assert ctl.wait_smoothing_s == pytest.approx(2 * ctl.model.latency_s(1))
+    assert controller(settings_=slow.model_copy(update={"wait_smoothing_s": 4.0})).wait_smoothing_s == 4.0
+    assert controller(settings_=slow.model_copy(update={"wait_smoothing_s": 0.0})).wait_smoothing_s == 0.0
+
+
+def test_unset_smoothing_tells_a_clump_from_a_step() -> None:
+    """One request alone takes 1 s of a 4 s SLO; level 1's trigger is 35% of the SLO."""
+    slo = SloConfig(e2e_p99_ms=4000)
+    trigger_ms = 0.35 * slo.e2e_p99_ms
+
+    def first_over(tau: float | None, counts: list[tuple[float, int]]) -> float | None:
+        ctl = AdmissionController(slo, AdmissionConfig(overhead_ms=100, prior_rate_per_s=1.0, reserve_quantile=0.0,
+                                                       wait_smoothing_s=tau), 8)
+        times = [(t + dt, n) for t, n in counts for dt in (0.0, 0.25)]
+        return next((t for (t, _), w in zip(times, _wait_ms(ctl, times)) if w >= trigger_ms), None)
+
+    clump = [(0.0, 0), (0.5, 1), (1.0, 2), (2.0, 1), (3.0, 0)]  # two in flight for one latency alone
+    step = [(0.0, 0), (0.5, 2), (1.0, 4), (1.5, 5), (2.0, 6), (2.5, 6)]  # overload
+    assert first_over(0.0, clump) is not None  # the instant count would switch features off
+    assert first_over(None, clump) is None  # two latencies alone: it does not
+    assert first_over(None, step) == pytest.approx(1.25)
+    assert first_over(4.0, step) == pytest.approx(1.75)  # the fixed 4 s before: half a second later
+
+
 def test_predicted_wait_is_exactly_zero_soon_after_the_load_is_gone() -> None:
     ctl = controller()
     t = 0.0

@@ -106,6 +106,8 @@ def test_release_is_idempotent_and_only_served_requests_measure_the_model() -> N
     model = g.controller.model
     assert model.per_request_s == pytest.approx(2.0, rel=0.1) and model.base_s == pytest.approx(1.0, abs=0.15)
     assert g.state()["per_request_s"] == round(model.per_request_s, 3) and g.drain_s() == 1
+    # the predicted wait's time constant: twice the measured latency alone
+    assert g.state()["wait_smoothing_s"] == round(2 * model.latency_s(1), 3)
     fill(g, 2)  # 2 in flight drain at a full batch's rate, 16 / (1 + 2 * 15) per second
     assert g.drain_s() == math.ceil(2 / g.controller.rate_per_s) == 4
 
