@@ -973,7 +973,7 @@ class AdmissionController:
         clump of two then moves the average by well under one request, while a step to overload
         keeps the count up and reaches the trigger within about two latencies. Measured
         (replayed on the admission polls, 0.5 s apart, of the step profiles of six runs on the
-        2-core EPYC at level 0 at the step, one request alone 0.7-0.9 s): at 4 s, the setting
+        2-core AVX-512 EPYC at level 0 at the step, one request alone 0.7-0.9 s): at 4 s, the setting
         before, this signal would have raised level 1 3.0-5.0 s after the step in the four runs
         of 12-03 and 8.9 and 15.2 s in the two of 12-02 (refusals came first: 2.9-3.6 s in the
         seed-7 runs of 12-03); at 1.5 s, 1.45-1.97 s and 2.5 and 3.9 s. In the 0.5 x C0 phase
