@@ -973,13 +973,14 @@ class AdmissionController:
         clump of two then moves the average by well under one request, while a step to overload
         keeps the count up and reaches the trigger within about two latencies. Measured
         (replayed on the admission polls, 0.5 s apart, of the step profiles of six runs on the
-        2-core AVX-512 EPYC at level 0 at the step, one request alone 0.7-0.9 s): at 4 s, the setting
-        before, this signal would have raised level 1 3.0-5.0 s after the step in the four runs
-        of 12-03 and 8.9 and 15.2 s in the two of 12-02 (refusals came first: 2.9-3.6 s in the
-        seed-7 runs of 12-03); at 1.5 s, 1.45-1.97 s and 2.5 and 3.9 s. In the 0.5 x C0 phase
-        before the step (28 polls per run) it read 35% at one poll in two of nine runs (at 4 s:
-        none). The fixed 4 s was chosen on a machine where one request alone took 1.5 s of a
-        4 s SLO; twice that is 3 s there. It falls to exactly 0 within a few time constants once nothing is in flight, so
+        2-core AVX-512 EPYC at level 0 at the step, one request alone 0.7-0.9 s): at 4 s, the
+        setting before, this signal would have raised level 1 3.0-5.0 s after the step in the
+        four runs of 12-03 and 8.9 and 15.2 s in the two of 12-02 (refusals came first: 2.9-3.6 s
+        in the seed-7 runs of 12-03); at 1.5 s, 1.45-1.97 s and 2.5 and 3.9 s. In the 0.5 x C0
+        phase before the step (28 polls per run) it read 35% at one poll in two of nine runs (at
+        4 s: none). The fixed 4 s was chosen on a machine where one request alone took 1.5 s of
+        a 4 s SLO; twice that is 3 s there. It falls to exactly 0 within a few time constants
+        once nothing is in flight, so
         a level raised on it can always recover when the load is gone.
 
         ``refused_ratio``: the share of this replica's door decisions over the last
