@@ -980,8 +980,8 @@ class AdmissionController:
         phase before the step (28 polls per run) it read 35% at one poll in two of nine runs (at
         4 s: none). The fixed 4 s was chosen on a machine where one request alone took 1.5 s of
         a 4 s SLO; twice that is 3 s there. It falls to exactly 0 within a few time constants
-        once nothing is in flight, so
-        a level raised on it can always recover when the load is gone.
+        once nothing is in flight, so a level raised on it can always recover when the load is
+        gone.
 
         ``refused_ratio``: the share of this replica's door decisions over the last
         ``refusal_window_s`` that refused for capacity (see the module docstring).

@@ -34,9 +34,9 @@ The rule, and why:
   flight adding about 0.8 s), the room holds three requests: one in flight on average stays
   at level 0, two raise level 2 and three level 3, which is what such a machine needs. The
   count is averaged over ``admission.wait_smoothing_s`` (by default twice the measured
-  latency of one request alone: about 1.5 s on 2 cores with the embedded model), so a moment of two Poisson
-  arrivals at half the capacity does not switch features off for a whole dwell; sustained,
-  the levels come within seconds (and refusals at the door raise them at once). Level 1 sits
+  latency of one request alone: about 1.5 s with the embedded model on 2 AVX-512 cores, 3.6 s
+  on 2 AVX2 cores), so a moment of two Poisson arrivals at half the capacity does not switch
+  features off for a whole dwell; sustained, the levels come within seconds (and refusals at the door raise them at once). Level 1 sits
   at 35% rather than lower so that a single request in flight on such a machine (about a
   third of the room) does not hold level 1 for as long as any traffic lasts. The wait falls
   to 0 once nothing is in flight, so every level can recover when load is gone.
