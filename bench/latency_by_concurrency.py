@@ -16,8 +16,8 @@ the ingress; this needs nothing but the benchmark's output.
 
 Usage::
 
-    .venv/bin/python bench/overload.py --only adaptive --seed 7 --c0 1.04 --c3 1.79 --raw /tmp/raw.jsonl
-    .venv/bin/python bench/latency_by_concurrency.py /tmp/raw.jsonl --run "adaptive @3x"
+    .venv/bin/python bench/overload.py --only adaptive --seed 7 --c0 1.04 --c3 1.79 --raw raw.jsonl
+    .venv/bin/python bench/latency_by_concurrency.py raw.jsonl --run "adaptive @3x"
 """
 
 from __future__ import annotations
