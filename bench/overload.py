@@ -56,6 +56,7 @@ import argparse
 import asyncio
 import copy
 import json
+import logging
 import math
 import os
 import platform
@@ -748,6 +749,11 @@ def deploy_builtin(http_port: int, config: dict[str, Any]) -> None:
     app = build_openai_app({"llm_configs": [cfg], "ingress_deployment_config": {"ray_actor_options": {"num_cpus": 0}}})
     serve.start(http_options={"host": "127.0.0.1", "port": http_port})
     serve.run(app, name="builtin", route_prefix="/", blocking=False)
+    # ray.serve.llm leaves this process's logging at INFO, and httpx logs every request of the
+    # load generator at INFO: one JSON line per request in the benchmark's output (956 lines in
+    # one run on 12-03), and formatting work in the process that sends the load
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     wait_app("builtin")
 
 

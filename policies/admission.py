@@ -93,7 +93,9 @@ The rule, and why:
   whole SLO), a guess that the first completion measuring it replaces.
 - **Each level has its own model** (`AdmissionController.set_level`). Optional work takes the
   same CPU as the model and shaping shortens answers, so capacity differs by level; on a level
-  change the level's own measurements apply at once.
+  change the level's own measurements apply at once, but not above the caps before the change
+  while requests admitted before it are in flight (they still carry the earlier level's work;
+  at most one SLO).
 - **Refusing is a signal for the level, and the earliest one.** Admission keeps what is in flight
   under the SLO by refusing, so past capacity the in-flight count and ``predicted_wait_ms`` stop
   growing exactly when demand keeps growing: a policy that watched only them would refuse core
@@ -132,7 +134,8 @@ Wiring (the ingress)::
     in_flight += 1; mark = share.mark(now, in_flight)   # a ShareClock; request["priority"] = klass.vllm_priority
     ...; in_flight -= 1; end = share.mark(time.time(), in_flight)
     admission.observe_completion(time.time(), latency_s, end - mark)   # served by the model only
-    admission.set_level(level)               # whenever the level in force changes
+    admission.set_level(level, time.time(), in_flight)   # whenever the level in force changes;
+    admission.end_hold()                     # ... and when the last request admitted before it leaves
     # on reconfigure(): admission.update(policy.slo, policy.admission or AdmissionConfig())
     # the model deployment, before the engine starts a request:
     if should_drop(d.deadline_at, time.time()): ...            # abort, answer 503
@@ -688,6 +691,7 @@ class AdmissionController:
         self.level = 0
         self._models: dict[int, ServiceModel] = {0: self._prior(slo, settings)}
         self._caps: tuple[int, ...] = ()
+        self._hold: tuple[float, tuple[int, ...]] | None = None  # (until, caps): `set_level`
         self._arrivals = tuple(ArrivalRate(settings.reserve_window_s) for _ in Criticality)
         self._refusals = RefusalWindow(settings.refusal_window_s)
         self._in_flight_avg: tuple[float, float | None] = (0.0, None)  # (average, when)
@@ -740,7 +744,7 @@ class AdmissionController:
         self._recompute()
         return True
 
-    def set_level(self, level: int) -> bool:
+    def set_level(self, level: int, now: float | None = None, in_flight: int = 0) -> bool:
         """The degradation level now in force; True if it changed.
 
         Capacity depends on the level (optional work takes the same CPU as the model, and
@@ -749,15 +753,48 @@ class AdmissionController:
         unlearned over several windows while admission over-admits (after a step down) or
         over-refuses (after a step up). A level never measured starts from the model in force
         (conservative after a step up, since the higher level does less per request).
+
+        But the ``in_flight`` requests admitted before the change still carry the work of the
+        level they were admitted at, so while they run the engine is not yet the new level's:
+        given ``now``, the caps in force stay at most the caps before the change (the hold)
+        until `end_hold` (the gate calls it when the last of them has left) or one
+        ``e2e_p99_ms`` after the change, whichever comes first (none of them can still be on
+        time then). Measured (12-03, 2-core AVX2 EPYC, 5 s SLO, the step profile 0.5 x -> 3 x
+        C0): level 3 came 1.6 s after the step, and its model, measured minutes before,
+        raised critical's and standard's caps from 9 and 8 at once to 16 and 13; 13-14 ran in
+        flight, and the six requests admitted at level 1 in the first 2 s of the step (one
+        critical) finished 5.2-6.6 s after they were sent, at 9.6-11.6 in flight over their
+        lives. With nothing in flight at the change, or without ``now``, the new level's caps
+        apply at once. A hold only lowers caps, so a change to a slower level is not delayed.
         """
         level = int(level)
         if level == self.level:
             return False
+        before = self._caps  # the caps in force, with any hold from an earlier change
         if level not in self._models:
             self._models[level] = self.model.copy()
         self.level = level
+        self._hold = (now + self.e2e_s, before) if now is not None and in_flight > 0 and before else None
         self._recompute()
         return True
+
+    @property
+    def held_until(self) -> float | None:
+        """When the hold of a level change ends at the latest (`set_level`); None without one."""
+        return None if self._hold is None else self._hold[0]
+
+    def end_hold(self) -> bool:
+        """The requests admitted before the last level change have all left: the caps of the
+        level in force apply from now on (`set_level`). True if a hold ended."""
+        if self._hold is None:
+            return False
+        self._hold = None
+        self._recompute()
+        return True
+
+    def _expire_hold(self, now: float) -> None:
+        if self._hold is not None and now >= self._hold[0]:
+            self.end_hold()
 
     def _configure(self, slo: SloConfig, settings: AdmissionConfig, slots: int) -> None:
         if slots < 1:
@@ -829,6 +866,7 @@ class AdmissionController:
         """Slots of its share's cap that ``criticality`` leaves to the classes above it: its
         share's cap less its reserved limit (`reserved_limits`, from the classes' measured
         arrival rates and the service model in force); 0 for critical."""
+        self._expire_hold(now)
         rank = _RANK[criticality]
         return max(0, min(self._caps[rank], self._caps[0]) - self._reserved(now)[rank])
 
@@ -874,7 +912,9 @@ class AdmissionController:
         `SHUT_OUT_SIGMAS` of its noise, >= `rate_per_s`): they will take every slot, so this
         class is shut out (0) rather than let in whenever the server happens to be idle for a
         moment. Without it, where caps are small (a few requests fill the batch) standard and
-        sheddable both sit at the floor of 1 under overload and are shed alike, not in order."""
+        sheddable both sit at the floor of 1 under overload and are shed alike, not in order.
+        While a level change's hold lasts (`set_level`), at most the caps before the change."""
+        self._expire_hold(now)
         rank = _RANK[criticality]
         if rank and self._first_saturate(rank, now):  # the classes above it take every slot
             return 0
@@ -903,7 +943,10 @@ class AdmissionController:
 
     def _recompute(self) -> None:
         # admitted iff overhead + latency_s(ahead + 1) <= overhead + share * budget
-        self._caps = tuple(self.model.max_within(share * self.budget_s) for share in self._shares)
+        caps = tuple(self.model.max_within(share * self.budget_s) for share in self._shares)
+        if self._hold is not None:  # a level change's requests are still in flight (`set_level`)
+            caps = tuple(min(c, h) for c, h in zip(caps, self._hold[1]))
+        self._caps = caps
         self._limits: tuple[float | None, tuple[int, ...] | None] = (None, None)  # `_reserved`'s cache
 
     # -- what the ingress reads --------------------------------------------------------------

@@ -78,6 +78,7 @@ class Ticket:
     share_mark: float = 0.0  # the gate's ShareClock at admission: its own service time starts here
     released: bool = False
     preempted: bool = False  # a more important request took its place before the model started it
+    seq: int = 0  # the gate's count of tickets issued, this one included
 
     @property
     def priority(self) -> int:
@@ -106,6 +107,11 @@ class AdmissionGate:
         self.share = ShareClock()  # each request's share of the service, for the service model
         self.level = 0  # the degradation level in force (`set_level`): each has its own model
         self.replicas = (1, 1)  # model and ingress replicas serving (`set_replicas`)
+        self._issued = 0  # tickets issued (`Ticket.seq`)
+        # the last level change (`set_level`): the last ticket issued before it, and how many of
+        # the tickets issued before it are still in flight
+        self._change_seq = 0
+        self._before_change = 0
         self.admitted: Counter[str] = Counter()
         self.refused: Counter[tuple[str, str]] = Counter()
         # admitted requests the model has not started, each with the hook that stops its wait
@@ -220,7 +226,8 @@ class AdmissionGate:
     def _ticket(self, criticality: Criticality, deadline_at: float | None, now: float, ahead: int) -> Ticket:
         self.in_flight += 1
         self.admitted[criticality.value] += 1
-        return Ticket(criticality, deadline_at, now, ahead, self.share.mark(now, self.in_flight))
+        self._issued += 1
+        return Ticket(criticality, deadline_at, now, ahead, self.share.mark(now, self.in_flight), seq=self._issued)
 
     def _hand_over(self) -> None:
         """Give freed slots to the critical requests waiting for one, first in line first, while
@@ -308,6 +315,10 @@ class AdmissionGate:
             # the requests ahead bound a queue only the door did not bound (`ServiceModel.observe`)
             ahead = ticket.ahead if ticket.deadline_at is None else 0
             self.controller.observe_completion(now, now - ticket.admitted_at, mark - ticket.share_mark, ahead)
+        if self._before_change and ticket.seq <= self._change_seq:
+            self._before_change -= 1
+            if not self._before_change and self.controller is not None:
+                self.controller.end_hold()  # the last one admitted before the level change left
         if self._queue:
             self._hand_over()
 
@@ -322,10 +333,14 @@ class AdmissionGate:
 
     def set_level(self, level: int) -> None:
         """The degradation level in force, as the ingress last fetched it: admission uses that
-        level's measured service model (`AdmissionController.set_level`)."""
+        level's measured service model (`AdmissionController.set_level`), within the caps before
+        the change until the requests admitted before it have left (they still carry the
+        earlier level's work; `release` ends the hold)."""
         self.level = int(level)
         if self.controller is not None:
-            self.controller.set_level(self.level)
+            now = self._clock()
+            if self.controller.set_level(self.level, now, self.in_flight):
+                self._change_seq, self._before_change = self._issued, self.in_flight
         if self._queue:  # that level's caps may have room for those waiting at the door
             self._hand_over()
 
@@ -382,6 +397,8 @@ class AdmissionGate:
             "max_admitted": None if ctl is None else {c.value: ctl.max_admitted(c) for c in Criticality},
             # the caps in force now: the share's cap less the room kept for more critical classes
             "class_cap": None if ctl is None else {c.value: ctl.class_cap(c, now) for c in Criticality},
+            # seconds the caps before the last level change still bound these at most (`set_level`)
+            "caps_held_s": None if ctl is None or ctl.held_until is None else round(max(0.0, ctl.held_until - now), 3),
             "reserved": None if ctl is None else {c.value: ctl.reserve(c, now) for c in Criticality},
             "admitted": dict(self.admitted),
             "refused": {f"{c}:{r}": n for (c, r), n in sorted(self.refused.items())},

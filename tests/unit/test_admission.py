@@ -567,6 +567,50 @@ def test_each_level_keeps_its_own_model() -> None:
     assert [ctl.max_admitted(k) for k in (C, S, D)] == level3_caps
 
 
+@pytest.mark.parametrize("name, in_flight, ends, expected", [
+    ("held while the requests of the level left run", 4, None, "level0"),
+    ("the last of them left: the new level's caps", 4, "end_hold", "level3"),
+    ("one SLO after the change, none can be on time: released", 4, "slo", "level3"),
+    ("just before that: still held", 4, "before_slo", "level0"),
+    ("nothing in flight at the change: at once", 0, None, "level3"),
+])
+def test_a_level_change_holds_the_caps_it_left_while_its_requests_run(
+        name: str, in_flight: int, ends: str | None, expected: str) -> None:
+    ctl = controller()
+    served_at(ctl, 5, base=0.5, per=0.4, seconds=20)  # level 0: slow
+    caps = {"level0": [ctl.max_admitted(k) for k in (C, S, D)]}
+    ctl.set_level(3)
+    served_at(ctl, 5, base=0.5, per=0.2, seconds=20, t0=100.0)  # level 3: twice as fast
+    caps["level3"] = [ctl.max_admitted(k) for k in (C, S, D)]
+    assert caps["level3"][0] > caps["level0"][0]
+    ctl.set_level(0)
+    assert ctl.set_level(3, now=200.0, in_flight=in_flight)
+    now = {"slo": 200.0 + ctl.e2e_s, "before_slo": 200.0 + ctl.e2e_s - 0.01}.get(ends or "", 200.0)
+    if ends == "end_hold":
+        assert ctl.end_hold()
+    assert ctl.class_cap(C, now) == caps[expected][0]  # critical keeps its whole cap: nothing above it
+    assert [ctl.max_admitted(k) for k in (C, S, D)] == caps[expected], name
+    assert (ctl.held_until is not None) == (expected == "level0" and in_flight > 0)
+
+
+def test_a_change_to_a_slower_level_is_not_delayed_and_holds_chain() -> None:
+    ctl = controller()
+    served_at(ctl, 5, base=0.5, per=0.2, seconds=20)  # level 0: fast
+    fast = [ctl.max_admitted(k) for k in (C, S, D)]
+    ctl.set_level(1)
+    served_at(ctl, 5, base=0.5, per=0.4, seconds=20, t0=100.0)  # level 1: slow
+    slow = [ctl.max_admitted(k) for k in (C, S, D)]
+    ctl.set_level(0)
+    assert [ctl.max_admitted(k) for k in (C, S, D)] == fast
+    assert ctl.set_level(1, now=200.0, in_flight=3)  # to the slower level: its caps, at once
+    assert [ctl.max_admitted(k) for k in (C, S, D)] == slow
+    assert ctl.set_level(0, now=201.0, in_flight=3)  # back while they run: still the lower caps
+    assert [ctl.max_admitted(k) for k in (C, S, D)] == slow
+    assert ctl.held_until == pytest.approx(201.0 + ctl.e2e_s)
+    ctl.class_cap(C, 201.0 + ctl.e2e_s)
+    assert [ctl.max_admitted(k) for k in (C, S, D)] == fast and ctl.held_until is None
+
+
 # -- construction from the policy ----------------------------------------------------------------
 
 

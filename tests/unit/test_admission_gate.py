@@ -374,7 +374,7 @@ def test_a_client_that_goes_away_while_waiting_takes_no_slot() -> None:
     asyncio.run(scenario())
 
 
-def test_a_level_whose_caps_have_room_lets_the_line_in_without_waiting_for_a_release() -> None:
+def test_a_level_change_keeps_the_caps_it_left_until_the_requests_admitted_before_it_leave() -> None:
     async def scenario() -> None:
         clock = FakeClock()
         g = AdmissionGate(max_num_seqs=16, clock=clock)
@@ -387,16 +387,42 @@ def test_a_level_whose_caps_have_room_lets_the_line_in_without_waiting_for_a_rel
                 g.release(ticket, served=True)
         slow = g.controller.max_admitted(Criticality.CRITICAL)
         assert slow < 19
-        fill(g, slow)
+        old = fill(g, slow)  # admitted at level 2: they carry its work
         waits = asyncio.ensure_future(g.admit_waiting(None, base=Criticality.CRITICAL))
         await asyncio.sleep(0)
         assert g.state()["queued"] == 1 and not waits.done()
-        g.set_level(0)  # level 0's model (its prior, 10/s) admits up to 19: no release needed
+        g.set_level(0)  # level 0's model (its prior, 10/s) would admit up to 19, but not yet
+        await asyncio.sleep(0)
+        assert not waits.done() and g.controller.max_admitted(Criticality.CRITICAL) == slow
+        assert g.state()["caps_held_s"] == 2.0  # at most one SLO
+        g.release(old[0], served=False)  # a freed slot: the line goes in, within the held caps
         ticket = await asyncio.wait_for(waits, 5)
-        assert ticket.criticality is Criticality.CRITICAL and g.in_flight == slow + 1
-        assert g.state()["queued"] == 0 and g.refused == {}
+        assert ticket.criticality is Criticality.CRITICAL and g.in_flight == slow
+        with pytest.raises(RequestError):  # still held: full at level 2's cap
+            g.admit(None, base=Criticality.CRITICAL)
+        for t in old[1:]:
+            g.release(t, served=False)
+        # the last request admitted before the change has left: level 0's caps apply
+        assert g.controller.max_admitted(Criticality.CRITICAL) == 19 and g.state()["caps_held_s"] is None
+        fill(g, 19 - g.in_flight)
+        assert g.in_flight == 19
 
     asyncio.run(scenario())
+
+
+def test_a_level_change_with_nothing_in_flight_applies_the_new_caps_at_once() -> None:
+    clock = FakeClock()
+    g = AdmissionGate(max_num_seqs=16, clock=clock)
+    g.set_level(2)
+    g.configure(parse_policy(SLO_POLICY))
+    for _ in range(5):
+        pair = [g.admit(None), g.admit(None)]
+        clock.advance(1.5)
+        for ticket in pair:
+            g.release(ticket, served=True)
+    assert g.controller.max_admitted(Criticality.CRITICAL) < 19
+    g.set_level(0)
+    assert g.controller.max_admitted(Criticality.CRITICAL) == 19 and g.state()["caps_held_s"] is None
 
 
 def test_a_reloaded_policy_whose_caps_have_room_lets_the_line_in_without_waiting_for_a_release() -> None:
