@@ -762,10 +762,12 @@ class AdmissionController:
         time then). Measured (12-03, 2-core AVX2 EPYC, 5 s SLO, the step profile 0.5 x -> 3 x
         C0): level 3 came 1.6 s after the step, and its model, measured minutes before,
         raised critical's and standard's caps from 9 and 8 at once to 16 and 13; 13-14 ran in
-        flight, and the six requests admitted at level 1 in the first 2 s of the step (one
-        critical) finished 5.2-6.6 s after they were sent, at 9.6-11.6 in flight over their
-        lives. With nothing in flight at the change, or without ``now``, the new level's caps
-        apply at once. A hold only lowers caps, so a change to a slower level is not delayed.
+        flight, and the six requests sent in the first 2 s of the step (one critical, most
+        admitted at level 1) finished 5.2-6.6 s after they were sent, at 9.6-11.6 in flight
+        over their lives. With the hold, in the same step: the caps held at 8 and 7 for 3.3 s
+        after level 3 came, at most 6 in flight, no request late. With nothing in flight at
+        the change, or without ``now``, the new level's caps apply at once. A hold only lowers
+        caps, so a change to a slower level is not delayed.
         """
         level = int(level)
         if level == self.level:
