@@ -378,6 +378,8 @@ class AdmissionGate:
         """For ``/admin/brownout``: the caps per class, the measured rate, the counters."""
         ctl = self.controller
         now = self._clock()
+        # first: a level change's hold that has run out ends here, before the caps are read
+        class_cap = None if ctl is None else {c.value: ctl.class_cap(c, now) for c in Criticality}
         return {
             "enabled": self.enabled,
             "in_flight": self.in_flight,
@@ -396,7 +398,7 @@ class AdmissionGate:
             "model_replicas": None if ctl is None else ctl.model_replicas,
             "max_admitted": None if ctl is None else {c.value: ctl.max_admitted(c) for c in Criticality},
             # the caps in force now: the share's cap less the room kept for more critical classes
-            "class_cap": None if ctl is None else {c.value: ctl.class_cap(c, now) for c in Criticality},
+            "class_cap": class_cap,
             # seconds the caps before the last level change still bound these at most (`set_level`)
             "caps_held_s": None if ctl is None or ctl.held_until is None else round(max(0.0, ctl.held_until - now), 3),
             "reserved": None if ctl is None else {c.value: ctl.reserve(c, now) for c in Criticality},
