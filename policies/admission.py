@@ -776,7 +776,7 @@ class AdmissionController:
         if level not in self._models:
             self._models[level] = self.model.copy()
         self.level = level
-        self._hold = (now + self.e2e_s, before) if now is not None and in_flight > 0 and before else None
+        self._hold = (now + self.e2e_s, before) if now is not None and in_flight > 0 else None
         self._recompute()
         return True
 

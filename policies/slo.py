@@ -36,9 +36,10 @@ The rule, and why:
   count is averaged over ``admission.wait_smoothing_s`` (by default twice the measured
   latency of one request alone: about 1.5 s with the embedded model on 2 AVX-512 cores, 3.6 s
   on 2 AVX2 cores), so a moment of two Poisson arrivals at half the capacity does not switch
-  features off for a whole dwell; sustained, the levels come within seconds (and refusals at the door raise them at once). Level 1 sits
-  at 35% rather than lower so that a single request in flight on such a machine (about a
-  third of the room) does not hold level 1 for as long as any traffic lasts. The wait falls
+  features off for a whole dwell; sustained, the levels come within seconds (and refusals at
+  the door raise them at once). Level 1 sits at 35% rather than lower so that a single
+  request in flight on such a machine (about a third of the room) does not hold level 1 for
+  as long as any traffic lasts. The wait falls
   to 0 once nothing is in flight, so every level can recover when load is gone.
   ``refused_ratio`` is the share of requests the ingress refused for capacity over the last
   ``admission.refusal_window_s`` (`policies.admission.RefusalWindow`). Admission holds the

@@ -607,7 +607,7 @@ def test_a_change_to_a_slower_level_is_not_delayed_and_holds_chain() -> None:
     assert ctl.set_level(0, now=201.0, in_flight=3)  # back while they run: still the lower caps
     assert [ctl.max_admitted(k) for k in (C, S, D)] == slow
     assert ctl.held_until == pytest.approx(201.0 + ctl.e2e_s)
-    ctl.class_cap(C, 201.0 + ctl.e2e_s)
+    ctl.class_cap(C, 201.0 + ctl.e2e_s)  # the next decision one SLO after the change ends the hold
     assert [ctl.max_admitted(k) for k in (C, S, D)] == fast and ctl.held_until is None
 
 
