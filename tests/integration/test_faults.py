@@ -23,6 +23,7 @@ import httpx
 import psutil
 import pytest
 
+from deployments.cpu_placement import ENGINE_COMM, process_name
 from tests.integration.conftest import Cluster, model_stats
 
 pytestmark = pytest.mark.integration
@@ -54,12 +55,17 @@ def new_engine_core_pid(old_replica: int, within_s: float = 60.0) -> tuple[int, 
 
 
 def _engine_cores(replica: int) -> list[psutil.Process]:
-    return [p for p in psutil.Process(replica).children(recursive=True) if "EngineCore" in " ".join(_names(p))]
+    """The replica's children that vLLM titled its engine core, matched on /proc/<pid>/comm (which
+    setproctitle sets too) as `deployments.cpu_placement` finds them. Not on the cmdline: in CI a
+    replacement replica that had already served showed, besides the resource tracker, one child
+    whose cmdline was still multiprocessing's ``spawn_main`` command; psutil's ``name()`` of such a
+    process is the truncated comm "VLLM::EngineCor", which does not contain "EngineCore"."""
+    return [p for p in psutil.Process(replica).children(recursive=True) if process_name(p.pid) == ENGINE_COMM]
 
 
 def _names(p: psutil.Process) -> list[str]:
     try:
-        return [p.name(), *p.cmdline()]
+        return [process_name(p.pid), *p.cmdline()]
     except psutil.Error:
         return []
 
