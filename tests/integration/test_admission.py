@@ -30,9 +30,9 @@ def admission_state(http: httpx.Client) -> dict[str, Any]:
 
 
 def deploy_admission(deployed: Cluster, http: httpx.Client, admission: dict[str, Any],
-                     caps: dict[str, int]) -> Iterator[None]:
+                     caps: dict[str, int] | None) -> Iterator[None]:
     """Deploy the SLO policy with these admission settings, level 0 pinned, until ``caps`` are
-    in force; restore the shipped policy after."""
+    in force (None: until admission is off); restore the shipped policy after."""
     config = deployed.config()
     doc = ingress_deployment(config)["user_config"]["policy"]["degradation"]
     doc["slo"] = {"e2e_p99_ms": 2000, "default_class": "critical"}
@@ -42,7 +42,7 @@ def deploy_admission(deployed: Cluster, http: httpx.Client, admission: dict[str,
     # raised level shapes max_tokens and serves faster, so held requests would finish early.
     pin(http, 0, ttl_s=300)
     deadline = time.monotonic() + 30
-    while admission_state(http)["max_admitted"] != caps:
+    while (admission_state(http)["enabled"] if caps is None else admission_state(http)["max_admitted"] != caps):
         assert time.monotonic() < deadline, admission_state(http)
         time.sleep(0.25)
     try:

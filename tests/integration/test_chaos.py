@@ -206,13 +206,19 @@ def test_chaos_under_load_loses_no_request_and_no_record(deployed: Cluster, http
     for o in outcomes:
         by_kind.setdefault(o.kind, []).append(o)
     summary = {k: len(v) for k, v in by_kind.items()}
-    report = f"run {run}: {summary}; faults {faults}; answering again {back_s:.0f} s after the load"
+    # Served while the model lived: from the model replica's death until its replacement has
+    # started its engine (a minute here, two on a slower machine: past the load's end) every
+    # request is refused, so the whole run's ok share measures the machine, not the service.
+    before = [o for o in outcomes if o.sent_at < model_killed]
+    ok_before = sum(1 for o in before if o.kind == "ok")
+    report = (f"run {run}: {summary}; sent before the model replica was killed: {len(before)}, "
+              f"{ok_before} ok; faults {faults}; answering again {back_s:.0f} s after the load")
     print(report)
     assert len(outcomes) >= 20, report
     assert not by_kind.get("failed"), (report, [(o.rid, o.status, o.detail) for o in by_kind["failed"]][:10])
     broken_streams = by_kind.get("stream_error", [])
     assert len(broken_streams) <= max(1, in_flight_at_kill), (report, [(o.rid, o.detail) for o in broken_streams])
-    assert len(by_kind.get("ok", [])) >= len(outcomes) // 2, report  # the load was served, not just refused
+    assert ok_before >= len(before) // 2, report  # the load was served, not just refused
 
     sent = {o.rid for o in outcomes}
     audited = _audited(deployed, http, sent, {o.rid for o in by_kind.get("ok", [])})
