@@ -24,7 +24,7 @@ import psutil
 import pytest
 
 from deployments.cpu_placement import ENGINE_COMM, process_name
-from tests.integration.conftest import Cluster, model_stats
+from tests.integration.conftest import Cluster, model_stats, wait_running
 
 pytestmark = pytest.mark.integration
 CHAT = "/v1/chat/completions"
@@ -85,6 +85,7 @@ def _assert_openai_503(r: httpx.Response) -> None:
 
 
 def test_a_killed_engine_core_gives_503s_then_the_service_recovers_by_itself(deployed: Cluster) -> None:
+    wait_running()  # a test before may have redeployed the app, and Serve may still be replacing its replicas
     http = deployed.client(timeout=30)
     assert http.post(CHAT, json=_chat()).status_code == 200
     replica, core = engine_core_pid()
