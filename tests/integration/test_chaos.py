@@ -209,7 +209,8 @@ def test_chaos_under_load_loses_no_request_and_no_record(deployed: Cluster, http
     # Served while the model lived: from the model replica's death until its replacement has
     # started its engine (a minute here, two on a slower machine: past the load's end) every
     # request is refused, so the whole run's ok share measures the machine, not the service.
-    before = [o for o in outcomes if o.sent_at < model_killed]
+    model_died = t0 + faults[-1][0]  # when `kill_replica("VLLMModel")` had returned
+    before = [o for o in outcomes if o.sent_at < model_died]
     ok_before = sum(1 for o in before if o.kind == "ok")
     report = (f"run {run}: {summary}; sent before the model replica was killed: {len(before)}, "
               f"{ok_before} ok; faults {faults}; answering again {back_s:.0f} s after the load")
