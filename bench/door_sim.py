@@ -1,7 +1,7 @@
 """A seeded simulation of the admission door under overload: compare settings side by side.
 
 The overload benchmark runs on a shared 2-core machine whose speed moved by a fifth within an
-hour (README, issue 10's results), so single runs cannot separate two admission settings whose
+hour (bench/RESULTS.md), so single runs cannot separate two admission settings whose
 effects are a few percent. This replays the same seeded arrivals through `AdmissionController`
 (the real one, from ``policies.admission``) in front of a model of the engine, for several
 settings at once:

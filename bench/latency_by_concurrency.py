@@ -9,7 +9,7 @@ percentile (the project's one percentile, `deployments.window.percentile`) and l
 end-to-end latency, and the requests late against ``--slo-ms`` (with
 the concurrency at their send, their class and when they were sent).
 
-This is how the EPYC's knee was found (README, 12-03): about 0.1 s more per request up to 9 in
+This is how the EPYC's knee was found (bench/RESULTS.md, 12-03): about 0.1 s more per request up to 9 in
 flight and 0.3-0.4 s per request past that, which `bench/door_sim.py`'s ``knee`` shape models.
 The door's own points (`policies.admission.ServiceModel`) measure the same thing from inside
 the ingress; this needs nothing but the benchmark's output.

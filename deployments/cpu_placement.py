@@ -7,7 +7,7 @@ turns with the engine's compute thread, and every slice they take is a slice the
 On the 2-core machine of the benchmarks, at level 3 with a full batch, the engine-core's thread
 ran 0.84 of a core and waited 0.17 s per second on the run queue; with its core kept to it, 0.96
 and 0.04, and the service completed about a fifth more requests (`bench/cpu_isolation.py`, which
-measures both side by side on one deployment; the README gives its figures). vLLM's CPU backend means to do this itself
+measures both side by side on one deployment; bench/RESULTS.md gives its figures). vLLM's CPU backend means to do this itself
 (``VLLM_CPU_OMP_THREADS_BIND``: it keeps cores for the serving frontend and binds its compute
 threads to the rest), but inside a Serve replica its binding did not take effect (every thread
 of the engine-core process allowed on every core).

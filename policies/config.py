@@ -276,7 +276,7 @@ class ClassShares(_Strict):
     a critical burst still finds room while the others are already refused, and the order
     between the classes below comes from the room each leaves for the classes above and the
     shut-out (`policies.admission`). A lower share for sheddable work refused it at loads the
-    engine serves within the SLO (bench/door_sim.py, README).
+    engine serves within the SLO (bench/door_sim.py, bench/RESULTS.md).
     """
 
     critical: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
