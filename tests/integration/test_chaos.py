@@ -197,6 +197,7 @@ def test_chaos_under_load_loses_no_request_and_no_record(deployed: Cluster, http
     at(40, "policy actor", _kill_policy_actor)
     model_killed = time.monotonic()
     at(55, "VLLMModel replica", lambda: kill_replica("VLLMModel"))
+    model_died = time.monotonic()  # `kill_replica("VLLMModel")` has returned
     in_flight_at_kill = sum(1 for o in load.outcomes if o.sent_at <= model_killed and o.ended_at is None)
     load.join(timeout_s=300)
     back_s = _wait_serving(http)
@@ -209,7 +210,6 @@ def test_chaos_under_load_loses_no_request_and_no_record(deployed: Cluster, http
     # Served while the model lived: from the model replica's death until its replacement has
     # started its engine (a minute here, two on a slower machine: past the load's end) every
     # request is refused, so the whole run's ok share measures the machine, not the service.
-    model_died = t0 + faults[-1][0]  # when `kill_replica("VLLMModel")` had returned
     before = [o for o in outcomes if o.sent_at < model_died]
     ok_before = sum(1 for o in before if o.kind == "ok")
     report = (f"run {run}: {summary}; sent before the model replica was killed: {len(before)}, "
