@@ -95,7 +95,10 @@ The rule, and why:
   same CPU as the model and shaping shortens answers, so capacity differs by level; on a level
   change the level's own measurements apply at once, but not above the caps before the change
   while requests admitted before it are in flight (they still carry the earlier level's work;
-  at most one SLO).
+  at most one SLO). Levels are ordered by cost (a higher level does less), so at a change up a
+  model of the new level that predicts a fifth more latency than the model in force where that
+  one was just measured came from a slower phase of the machine, and the new level starts from
+  the model in force instead.
 - **Refusing is a signal for the level, and the earliest one.** Admission keeps what is in flight
   under the SLO by refusing, so past capacity the in-flight count and ``predicted_wait_ms`` stop
   growing exactly when demand keeps growing: a policy that watched only them would refuse core
@@ -372,6 +375,13 @@ class ServiceModel:
             return 1.0 / self.per_request_s
         return self.slots / self.latency_s(self.slots)
 
+    def fresh_reach(self, now: float | None = None) -> int:
+        """The highest concurrency (``round(m)``) with a completion within `FLOOR_FRESH_S` of
+        ``now`` (default: the latest completion); 0 where none."""
+        if now is None:
+            now = max((c[2] for c in self._buckets.values()), default=0.0)
+        return max((k for k, c in self._buckets.items() if now - c[2] <= self.FLOOR_FRESH_S), default=0)
+
     def floor(self) -> dict[int, float]:
         """The remembered floor in force, as of the latest completion: per concurrency above the
         line's fresh reach (the highest bucket measured within `FLOOR_FRESH_S`), the mean latency
@@ -485,6 +495,12 @@ class ServiceModel:
 # Unless the policy sets admission.wait_smoothing_s, the predicted wait averages the requests in
 # flight over this many times the latency of one request alone (`AdmissionController.signals`).
 WAIT_SMOOTHING_ALONE = 2.0
+
+# At a change up, the new level's model is taken for one from a slower phase of the machine (and
+# replaced by the model in force) where it predicts more than this many times the latency of the
+# model in force at the concurrency just measured (`AdmissionController.set_level`): a margin
+# over the noise of a mean of recent completions, far under the twice measured when it mattered.
+STALE_RATIO = 1.2
 
 # A class is shut out only while the classes above it arrive faster than the server completes
 # requests by more than this many standard deviations of their measured rate (`rate_lower_bound`).
@@ -695,6 +711,7 @@ class AdmissionController:
         self._arrivals = tuple(ArrivalRate(settings.reserve_window_s) for _ in Criticality)
         self._refusals = RefusalWindow(settings.refusal_window_s)
         self._in_flight_avg: tuple[float, float | None] = (0.0, None)  # (average, when)
+        self.models_replaced = 0  # level models found stale at a change up (`set_level`)
         self._recompute()
 
     def _prior(self, slo: SloConfig, settings: AdmissionConfig) -> ServiceModel:
@@ -768,13 +785,34 @@ class AdmissionController:
         after level 3 came, at most 6 in flight, no request late. With nothing in flight at
         the change, or without ``now``, the new level's caps apply at once. A hold only lowers
         caps, so a change to a slower level is not delayed.
+
+        Levels are ordered by cost: a higher level does a subset of the optional work of the one
+        below and shapes answers at least as short, so on the same machine it is at least as
+        fast at any concurrency. So on a change up, a model of the new level that predicts more
+        than `STALE_RATIO` times the latency of the model in force where that one was just
+        measured (its `fresh_reach`: the highest concurrency with a completion within
+        `ServiceModel.FLOOR_FRESH_S`) was measured in a slower phase of the machine: it
+        contradicts what was just measured, and is replaced by a copy of the model in force (its
+        line: `copy`; counted in ``models_replaced``). Where the model in force has no fresh completion, or the new level's
+        model is only higher up (measured there, while the level in force has only been
+        extrapolated to it), nothing contradicts it and it stays. Measured (12-03, 2-core AVX2 EPYC,
+        5 s SLO, 3 x C0): level 3 came 4.4 s into the run, and its model, from the run before a
+        minute earlier when 4 in flight took 5.2 s (here 2.6 s), cut critical's cap from level
+        2's 9 to 3; two critical requests were refused before fresh points replaced it. A
+        change down keeps the new level's own model: it is at most as fast as the level it
+        leaves, whatever that one measured, and the hold bounds its caps meanwhile.
         """
         level = int(level)
         if level == self.level:
             return False
         before = self._caps  # the caps in force, with any hold from an earlier change
-        if level not in self._models:
+        stale = False
+        if level > self.level and level in self._models:
+            reach = self.model.fresh_reach(now)
+            stale = reach > 0 and self._models[level].latency_s(reach) > STALE_RATIO * self.model.latency_s(reach)
+        if level not in self._models or stale:
             self._models[level] = self.model.copy()
+            self.models_replaced += stale
         self.level = level
         self._hold = (now + self.e2e_s, before) if now is not None and in_flight > 0 else None
         self._recompute()

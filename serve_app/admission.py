@@ -401,6 +401,8 @@ class AdmissionGate:
             "class_cap": class_cap,
             # seconds the caps before the last level change still bound these at most (`set_level`)
             "caps_held_s": None if ctl is None or ctl.held_until is None else round(max(0.0, ctl.held_until - now), 3),
+            # level models found measured in a slower phase at a change up, and replaced (`set_level`)
+            "level_models_replaced": None if ctl is None else ctl.models_replaced,
             "reserved": None if ctl is None else {c.value: ctl.reserve(c, now) for c in Criticality},
             "admitted": dict(self.admitted),
             "refused": {f"{c}:{r}": n for (c, r), n in sorted(self.refused.items())},

@@ -595,20 +595,50 @@ def test_a_level_change_holds_the_caps_it_left_while_its_requests_run(
 
 def test_a_change_to_a_slower_level_is_not_delayed_and_holds_chain() -> None:
     ctl = controller()
-    served_at(ctl, 5, base=0.5, per=0.2, seconds=20)  # level 0: fast
-    fast = [ctl.max_admitted(k) for k in (C, S, D)]
     ctl.set_level(1)
-    served_at(ctl, 5, base=0.5, per=0.4, seconds=20, t0=100.0)  # level 1: slow
-    slow = [ctl.max_admitted(k) for k in (C, S, D)]
+    served_at(ctl, 5, base=0.5, per=0.2, seconds=20)  # level 1: fast
+    fast = [ctl.max_admitted(k) for k in (C, S, D)]
     ctl.set_level(0)
+    served_at(ctl, 5, base=0.5, per=0.4, seconds=20, t0=100.0)  # level 0: slow
+    slow = [ctl.max_admitted(k) for k in (C, S, D)]
+    ctl.set_level(1)
     assert [ctl.max_admitted(k) for k in (C, S, D)] == fast
-    assert ctl.set_level(1, now=200.0, in_flight=3)  # to the slower level: its caps, at once
+    assert ctl.set_level(0, now=200.0, in_flight=3)  # to the slower level: its caps, at once
     assert [ctl.max_admitted(k) for k in (C, S, D)] == slow
-    assert ctl.set_level(0, now=201.0, in_flight=3)  # back while they run: still the lower caps
+    assert ctl.set_level(1, now=201.0, in_flight=3)  # back while they run: still the lower caps
     assert [ctl.max_admitted(k) for k in (C, S, D)] == slow
     assert ctl.held_until == pytest.approx(201.0 + ctl.e2e_s)
     ctl.class_cap(C, 201.0 + ctl.e2e_s)  # the next decision one SLO after the change ends the hold
     assert [ctl.max_admitted(k) for k in (C, S, D)] == fast and ctl.held_until is None
+
+
+@pytest.mark.parametrize("name, up, per_other, change_after_s, expected", [
+    ("up to a level measured slower, in an earlier phase, than the level in force just now: "
+     "it starts from the model in force", True, 0.4, 0.5, "in_force"),
+    ("up to a level measured slower, but nothing fresh in force to contradict it: kept", True, 0.4, 60.0, "own"),
+    ("up to a level measured slower within the margin (noise): kept", True, 0.24, 0.5, "own"),
+    ("up to a level measured faster: kept", True, 0.1, 0.5, "own"),
+    ("down to a level measured faster, in an earlier phase: its own (the hold bounds it while "
+     "requests of the level left run)", False, 0.1, 0.5, "own"),
+])
+def test_a_higher_level_is_never_predicted_slower_than_the_level_in_force_just_measured(
+        name: str, up: bool, per_other: float, change_after_s: float, expected: str) -> None:
+    """Levels are ordered by cost (a higher level does less): a higher level's model that
+    predicts more than `STALE_RATIO` x the latency of the model in force, where that one was
+    just measured, comes from a slower phase of the machine (`AdmissionController.set_level`)."""
+    in_force, other = (2, 3) if up else (3, 2)
+    ctl = controller()
+    ctl.set_level(other)
+    served_at(ctl, 5, base=0.5, per=per_other, seconds=20)  # the other level, a minute before
+    caps = {"own": [ctl.max_admitted(k) for k in (C, S, D)]}
+    ctl.set_level(in_force)
+    end = served_at(ctl, 5, base=0.5, per=0.2, seconds=20, t0=100.0)  # the level in force, up to now
+    caps["in_force"] = [ctl.max_admitted(k) for k in (C, S, D)]
+    assert caps["own"] != caps["in_force"]
+    assert ctl.model.fresh_reach(end + change_after_s) == (5 if change_after_s < 5 else 0)
+    assert ctl.set_level(other, now=end + change_after_s, in_flight=0)
+    assert [ctl.max_admitted(k) for k in (C, S, D)] == caps[expected], name
+    assert ctl.models_replaced == (expected == "in_force")
 
 
 # -- construction from the policy ----------------------------------------------------------------

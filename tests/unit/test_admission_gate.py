@@ -425,6 +425,32 @@ def test_a_level_change_with_nothing_in_flight_applies_the_new_caps_at_once() ->
     assert g.controller.max_admitted(Criticality.CRITICAL) == 19 and g.state()["caps_held_s"] is None
 
 
+def test_a_higher_level_measured_in_a_slower_phase_starts_from_the_level_in_force() -> None:
+    """Levels are ordered by cost: at a change up, a model of the new level slower than what the
+    level in force just measured is replaced by the model in force, and counted in the state."""
+    clock = FakeClock()
+    g = AdmissionGate(max_num_seqs=16, clock=clock)
+    g.configure(parse_policy(SLO_POLICY))
+
+    def serve_pairs(latency_s: float) -> None:
+        for _ in range(5):
+            pair = [g.admit(None), g.admit(None)]
+            clock.advance(latency_s)
+            for ticket in pair:
+                g.release(ticket, served=True)
+
+    g.set_level(3)
+    serve_pairs(1.5)  # level 3, in a slow phase of the machine
+    slow = g.controller.max_admitted(Criticality.CRITICAL)
+    g.set_level(2)
+    serve_pairs(0.3)  # level 2, now, five times as fast
+    fast = g.controller.max_admitted(Criticality.CRITICAL)
+    assert slow < fast and g.state()["level_models_replaced"] == 0
+    g.set_level(3)
+    assert g.controller.max_admitted(Criticality.CRITICAL) == fast
+    assert g.state()["level_models_replaced"] == 1
+
+
 def test_a_reloaded_policy_whose_caps_have_room_lets_the_line_in_without_waiting_for_a_release() -> None:
     async def scenario() -> None:
         g = gate()
