@@ -240,18 +240,39 @@ os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1
 os.environ.setdefault("RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
 
 
+# the tests that run after all others, in this order (`pytest_collection_modifyitems`)
+LAST = (
+    "tests/integration/test_chaos.py",
+    "tests/integration/test_cli.py::test_features_ranks_the_slowed_semantic_cache_first_by_cost",
+    "tests/integration/test_autoscaling.py",
+)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The chaos test runs last but one: it kills the policy actor, an enrichment replica and the
-    model replica, and what those restarts leave behind (a restarted actor's fresh counters, a
-    level still raised) must not be what another test starts from.
+    """The multi-node test runs first of all: it starts a two-node cluster of its own (with its own
+    vLLM engine) and ends it before the session cluster above is started, so the two never share
+    the machine's cores and memory.
+
+    The chaos test runs after every other test but two: it kills the policy actor, an enrichment
+    replica and the model replica, and what those restarts leave behind (a restarted actor's
+    fresh counters, a level still raised) must not be what another test starts from.
+
+    Then the features-cost test (`test_cli`): it redeploys the app with the semantic cache's
+    embedding slowed and leaves it so (a redeploy that changes the app's ``args`` restarts every
+    replica, the model's too: putting the app back would cost CI another minute or more), and it
+    sets the level it measures at itself.
 
     The autoscaling test runs last of all: it redeploys the app with an autoscaled model and a
-    test policy and leaves them deployed (the session ends the cluster after it), and it waits
-    for level 0 itself before it starts.
+    test policy (from the session's config, so the cost test's slowed embedding is gone) and
+    leaves them deployed (the session ends the cluster after it), and it waits for level 0
+    itself before it starts."""
+    def rank(item: pytest.Item) -> int:
+        node = item.nodeid
+        if node.startswith("tests/integration/test_multinode.py"):
+            return 0
+        for i, last in enumerate(LAST, start=2):
+            if node.startswith(last):
+                return i
+        return 1
 
-    The multi-node test runs first of all: it starts a two-node cluster of its own (with its own
-    vLLM engine) and ends it before the session cluster above is started, so the two never share
-    the machine's cores and memory."""
-    items.sort(key=lambda item: item.nodeid.startswith("tests/integration/test_chaos.py"))
-    items.sort(key=lambda item: item.nodeid.startswith("tests/integration/test_autoscaling.py"))
-    items.sort(key=lambda item: not item.nodeid.startswith("tests/integration/test_multinode.py"))
+    items.sort(key=rank)  # stable: within a rank, the collected order

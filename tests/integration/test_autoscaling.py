@@ -9,8 +9,8 @@ budget nothing is refused and no queue, predicted-wait or latency trigger fires 
 this load, so the only signal that can raise the level is ``model_replicas_pending``. Six
 clients keep streamed answers of 48 tokens going until the second replica serves.
 
-It runs last (after the chaos test): it leaves the autoscaled app deployed, which no other test
-expects, and the session ends the cluster after it.
+It runs last (after the chaos test and the features-cost test, conftest): it leaves the
+autoscaled app deployed, which no other test expects, and the session ends the cluster after it.
 """
 
 from __future__ import annotations
