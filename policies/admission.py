@@ -211,6 +211,7 @@ def should_drop(deadline_at: float | None, now: float, min_service_s: float = 0.
 
 
 Reason = Literal["admitted", "class_share_exhausted", "saturated", "preempted"]
+Limit = Literal["share", "reserve", "shut_out", "saturated"]
 STATUS: dict[Reason, int] = {"admitted": 200, "class_share_exhausted": 429, "saturated": 503, "preempted": 429}
 
 
@@ -232,6 +233,11 @@ class Decision:
     retry_after_s: int | None = None  # integer seconds >= 1 when refused
     deadline_at: float | None = None  # when admitted: past it the answer misses the SLO
     preempt: int = 0  # admitted in the place of this many waiting requests of lower classes
+    # when refused, the first limit that refuses it alone: "saturated" (even critical's cap is
+    # reached), "share" (the class's own share of the latency budget, ``slo.class_share``),
+    # "shut_out" (the classes above alone arrive as fast as the server completes requests) or
+    # "reserve" (room kept for the classes above, `reserved_limits`)
+    limited_by: Limit | None = None
 
 
 class ShareClock:
@@ -899,8 +905,19 @@ class AdmissionController:
                             deadline_at=now + self.e2e_s, preempt=preempt)
         self._refusals.add(now, refused=True)
         reason: Reason = "saturated" if ahead >= self._caps[0] else "class_share_exhausted"
+        limit: Limit = ("saturated" if reason == "saturated" else "share" if ahead >= self._caps[rank]
+                        else "shut_out" if cap == 0 else "reserve")
         return Decision(False, criticality, reason, STATUS[reason], self.predicted_e2e_s(ahead), cap,
-                        retry_after_s=self.retry_after_s(ahead, cap))
+                        retry_after_s=self.retry_after_s(ahead, cap), limited_by=limit)
+
+    def share(self, criticality: Criticality) -> float:
+        """``slo.class_share`` of ``criticality``: the part of the latency budget it may use."""
+        return self._shares[_RANK[criticality]]
+
+    def share_limit_s(self, criticality: Criticality) -> float:
+        """The predicted end-to-end time within which ``criticality`` is admitted: the overhead
+        plus its share of the budget (`_recompute`)."""
+        return self.overhead_s + self.share(criticality) * self.budget_s
 
     def reserve(self, criticality: Criticality, now: float) -> int:
         """Slots of its share's cap that ``criticality`` leaves to the classes above it: its

@@ -347,10 +347,20 @@ class AdmissionGate:
     def _refusal(self, d: Decision) -> RequestError:
         reason, klass = d.reason, d.criticality.value
         self._count_refusal(d.criticality, reason)
+        # the message says which limit refused it (`Decision.limited_by`): a standard request
+        # refused by its share alone, with no critical traffic, is not kept out for anyone's sake
         if reason == "saturated":
             why = "the service is saturated: even critical requests would miss the latency objective"
+        elif d.limited_by == "share" and self.controller is not None:
+            ctl = self.controller
+            why = (f"{klass} requests are admitted only while predicted to finish within "
+                   f"{ctl.share_limit_s(d.criticality):.1f} s, class_share.{klass} ({ctl.share(d.criticality):g}) "
+                   f"of the {ctl.e2e_s:g} s objective's budget")
+        elif d.limited_by == "shut_out":
+            why = (f"{klass} requests are shed while more important work alone arrives as fast as the "
+                   "service completes requests")
         else:
-            why = f"{klass} requests are being shed to keep more important work within its latency objective"
+            why = f"{klass} requests are being shed to keep room for more important work within its latency objective"
         message = (f"{why} ({self.in_flight} requests ahead, {klass} admitted below {d.max_admitted}; "
                    f"predicted {d.predicted_e2e_s:.1f} s). Retry after {d.retry_after_s} s.")
         assert d.retry_after_s is not None  # a refusal always has one

@@ -67,9 +67,11 @@ def test_decide_table(name: str, klass: Criticality, ahead: int, expected: tuple
     assert (d.admitted, d.reason, d.status) == expected, name
     assert d.predicted_e2e_s == pytest.approx(0.1 + (ahead + 1) / 10)
     if d.admitted:
-        assert d.retry_after_s is None and d.deadline_at == pytest.approx(102.1)
+        assert d.retry_after_s is None and d.deadline_at == pytest.approx(102.1) and d.limited_by is None
     else:
         assert isinstance(d.retry_after_s, int) and d.retry_after_s >= 1 and d.deadline_at is None
+        # without a reservation a 429 comes from the class's own share of the budget
+        assert d.limited_by == {429: "share", 503: "saturated"}[d.status], name
 
 
 def test_predicted_wait_over_budget_refuses_and_within_admits() -> None:
@@ -885,6 +887,7 @@ def test_no_critical_traffic_reserves_nothing() -> None:
     ctl = controller(settings_=RESERVING)
     _offer(ctl, {S: 5.0}, 30.0)
     assert ctl.reserve(S, 30.0) == 0 and ctl.class_cap(S, 30.0) == 16  # the share's cap, as without it
+    assert ctl.decide(S, 16, 30.0).limited_by == "share"  # refused by its share, kept for no one
     assert ctl.reserve(D, 30.0) == 0  # sheddable does not arrive: it costs standard nothing
     _offer(ctl, {S: 5.0, D: 8.0}, 60.0, start=30.0)  # now it does, and standard's own demand is kept from it
     assert ctl.reserve(D, 60.0) > 0 and ctl.class_cap(D, 60.0) < 12
@@ -901,7 +904,9 @@ def test_measured_critical_demand_keeps_room_below_critical_cap() -> None:
     limit = reserved_limits(rates, [20, 16, 12], ctl.model.latency_s, 0.01)[1]
     assert ctl.class_cap(S, at) == limit < 16 and ctl.reserve(S, at) == 16 - limit
     # standard refused where its share alone would still admit it; critical admitted there
-    assert not ctl.decide(S, limit, at).admitted
+    refused = ctl.decide(S, limit, at)
+    assert not refused.admitted and refused.limited_by == "reserve"
+    assert ctl.decide(S, 16, at).limited_by == "share"  # at its share's cap, the share alone refuses it
     assert ctl.decide(C, limit, at).admitted
 
 
@@ -934,6 +939,7 @@ def test_critical_demand_that_fills_the_server_shuts_the_others_out() -> None:
     assert ctl.class_cap(S, 30.0) == 0 and ctl.class_cap(D, 30.0) == 0
     refused = ctl.decide(S, 0, 30.0)  # even with nothing ahead: critical will take the slot
     assert not refused.admitted and refused.status == 429 and refused.retry_after_s >= 1
+    assert refused.limited_by == "shut_out"
     assert ctl.decide(C, 0, 30.0).admitted
 
 

@@ -55,6 +55,9 @@ def test_sheddable_is_refused_first_with_429_and_a_computed_retry_after() -> Non
     assert e.status == 429 and e.kind == "rate_limit_error"
     assert e.headers == {"Retry-After": "1", "X-Brownout-Criticality": "sheddable"}
     assert "11 requests ahead, sheddable admitted below 11" in e.message
+    # refused by its own share of the budget, with no critical demand measured: the message says so
+    assert e.message.startswith("sheddable requests are admitted only while predicted to finish within "
+                                "1.2 s, class_share.sheddable (0.6) of the 2 s objective's budget (11 requests ahead")
     assert g.admit("standard").criticality is Criticality.STANDARD  # standard still fits
     assert refusals == [(Criticality.SHEDDABLE, "class_share_exhausted")]
     assert g.refused == {("sheddable", "class_share_exhausted"): 1} and g.in_flight == 12
@@ -479,3 +482,30 @@ def test_waiting_requests_are_let_in_when_admission_is_switched_off() -> None:
         assert ticket.deadline_at is None and g.in_flight == 20
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("critical_rate, limit, why", [
+    # critical demand near the server's rate: standard is refused below its share's cap (15), to
+    # keep room for critical work
+    (8.0, "reserve", "standard requests are being shed to keep room for more important work"),
+    # critical demand over the server's rate: standard is shut out, even from an idle server
+    (30.0, "shut_out", "standard requests are shed while more important work alone arrives as fast"),
+])
+def test_a_refusal_names_the_limit_that_refused_it(critical_rate: float, limit: str, why: str) -> None:
+    g = gate()  # the server completes 10 requests/s
+    ctl = g.controller
+    arrivals = sorted([(i / critical_rate, Criticality.CRITICAL) for i in range(int(critical_rate * 60))]
+                      + [(i / 3.0, Criticality.STANDARD) for i in range(180)])  # 60 s; standard at 3/s
+    start = g._clock()
+    for t, klass in arrivals:  # each to an idle server: only the arrival counts
+        g._clock.now = start + t
+        ctl.decide(klass, 0, g._clock())
+    g._clock.advance(0.5)
+    cap = ctl.class_cap(Criticality.STANDARD, g._clock())
+    assert cap < ctl.max_admitted(Criticality.STANDARD) == 15
+    g.in_flight = cap
+    with pytest.raises(RequestError) as err:
+        g.admit("standard")
+    assert err.value.status == 429 and err.value.message.startswith(why), err.value.message
+    assert "class_share" not in err.value.message
+    assert ctl.decide(Criticality.STANDARD, cap, g._clock()).limited_by == limit
