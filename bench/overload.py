@@ -1179,11 +1179,13 @@ def ratios(runs: Sequence[dict[str, Any]], capacity: dict[str, Any], slo_ms: flo
 def repeat_figures(runs: Sequence[dict[str, Any]], capacity: dict[str, Any], slo_ms: float) -> dict[str, Any] | None:
     """With ``--adaptive-repeats`` > 1: per repeat, the adaptive figures the issue judges (3x goodput
     over the C3 measured beside that repeat, critical within the SLO and the shed order at 3x, the
-    share within the SLO and the p99 at 1.5x), their medians, and the 3x runs' classes pooled (a
+    share within the SLO and the p99 at 1.5x, and 1.5 x C0 over that C3: the 1.5x load's size
+    against the minimal path's capacity beside it), their medians, and the 3x runs' classes pooled (a
     99% criterion on 150 critical requests rests on one or two of them; pooled it rests on more).
     None with one repeat."""
     rows: list[dict[str, Any]] = []
     pooled: dict[str, dict[str, int]] = {}
+    c0 = (capacity.get("C0") or {}).get("capacity_rps")
     k = 1
     while True:
         suffix = "" if k == 1 else f" #{k}"
@@ -1193,6 +1195,9 @@ def repeat_figures(runs: Sequence[dict[str, Any]], capacity: dict[str, Any], slo
             break
         c3 = (capacity.get(f"C3{suffix}") or capacity.get("C3") or {}).get("capacity_rps")
         row: dict[str, Any] = {"repeat": k, "C3_rps": c3}
+        # where 1.5 x C0 is at or above the minimal path's own capacity beside it, no door can keep
+        # 95% within the SLO without refusing more than 5%: this says which repeats asked for that
+        row["1.5xC0 / C3"] = _div(1.5 * c0, c3) if c0 else None
         if hi is not None:
             cls = hi.get("classes") or {}
             row["goodput at 3xC0 / C3"] = _div(hi["overall"]["goodput_rps"], c3)

@@ -574,11 +574,14 @@ def test_repeat_figures_judge_each_repeat_against_its_own_c3_and_pool_the_classe
             run15("adaptive @1.5x #2", 1.5), run3x("adaptive @3x #2", 1),
             run15("adaptive @1.5x #3", 3.0), run3x("adaptive @3x #3", 0),
             run15("adaptive @1.5x standard #2", 2.5)]  # without headers: in repeat 2 only
-    capacity = {"C3": {"capacity_rps": 4.0}, "C3 #2": {"capacity_rps": 2.0}, "C3 #3": {"capacity_rps": 4.0}}
+    capacity = {"C0": {"capacity_rps": 2.0},
+                "C3": {"capacity_rps": 4.0}, "C3 #2": {"capacity_rps": 2.0}, "C3 #3": {"capacity_rps": 4.0}}
     out = overload.repeat_figures(runs, capacity, 2000.0)
     assert out is not None
     rows = out["per_repeat"]
     assert [r["repeat"] for r in rows] == [1, 2, 3] and [r["C3_rps"] for r in rows] == [4.0, 2.0, 4.0]
+    # the 1.5x load (1.5 x C0 = 3 req/s) against each repeat's C3: under it in 1 and 3, over it in 2
+    assert [r["1.5xC0 / C3"] for r in rows] == [0.75, 1.5, 0.75]
     g1 = runs[1]["overall"]["goodput_rps"]
     assert rows[0]["goodput at 3xC0 / C3"] == round(g1 / 4.0, 3)  # each against the C3 beside it
     assert rows[1]["goodput at 3xC0 / C3"] == round(runs[3]["overall"]["goodput_rps"] / 2.0, 3)
