@@ -932,6 +932,28 @@ def test_reservation_fades_when_critical_demand_stops() -> None:
     assert ctl.class_cap(S, 30.0 + 10 * 10.0) == 16  # ten time constants later
 
 
+def test_room_kept_for_a_class_ends_once_its_arrivals_have_faded() -> None:
+    """Where standard's cap equals critical's (here every share is 1), any critical rate above 0
+    costs critical a share of its requests whatever standard does, so room is kept for it; the
+    estimate never reaches 0, and without `ABSENT_WEIGHT` one slot stayed kept long after the
+    last critical request (measured: 32 s of a standard-only run, 7 of its 16 refusals)."""
+    from policies.admission import ABSENT_WEIGHT
+
+    equal = SloConfig(e2e_p99_ms=2100, class_share={"critical": 1.0, "standard": 1.0, "sheddable": 1.0})
+    ctl = controller(slo=equal, settings_=RESERVING)
+    assert ctl.max_admitted(S) == ctl.max_admitted(C) == 20
+    _offer(ctl, {C: 0.5, S: 12.0}, 30.0)  # a little critical work beside more standard than the server completes
+    assert ctl.class_cap(S, 30.0) < 20  # room kept for it
+    _offer(ctl, {S: 12.0}, 60.0, start=30.0)  # then standard alone: critical's weight 5 -> 0.25
+    weight = ctl._arrivals[0].weight(60.0)
+    assert ABSENT_WEIGHT < weight < 1.0 and ctl.class_cap(S, 60.0) < 20  # faded, not yet gone: kept
+    _offer(ctl, {S: 12.0}, 100.0, start=60.0)  # 40 s more: about 0.005 of a request
+    assert ctl._arrivals[0].weight(100.0) < ABSENT_WEIGHT
+    assert ctl.class_cap(S, 100.0) == 20 and ctl.reserve(S, 100.0) == 0  # its share's cap again
+    ctl.decide(C, 0, 100.0)  # one critical request comes: room is kept again at once
+    assert ctl.class_cap(S, 100.0 + 0.3) < 20
+
+
 def test_critical_demand_that_fills_the_server_shuts_the_others_out() -> None:
     ctl = controller(settings_=RESERVING)
     _offer(ctl, {C: 20.0}, 30.0)  # twice what the server completes
