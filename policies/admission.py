@@ -38,7 +38,8 @@ The rule, and why:
   above it by at most ``1 - reserve_quantile`` (0.99: one point), over the same model without
   it (`reserved_limits`). This is the telephone network's trunk reservation, sized from the
   measured demand and service, not from a worst case: with no critical traffic nothing is
-  reserved, and where the server is far from full a class below keeps most of its cap. (It
+  reserved (a class whose measured arrivals have faded below `ABSENT_WEIGHT` of a request counts
+  as none), and where the server is far from full a class below keeps most of its cap. (It
   replaced a reserve of the 99th percentile of the arrivals of the classes above within the
   latency at critical's cap, which at 1.5 x C0 on a 2-core EPYC refused 23% of all requests
   while the served p99 was 0.69 x SLO; with that run's rates and a fitted line, this model puts
@@ -522,17 +523,17 @@ SHUT_OUT_SIGMAS = 1.0
 RESERVE_REFRESH_S = 0.25
 
 
-# A class whose arrivals' decayed weight (`ArrivalRate.weight`: rate x time constant, the requests
-# the estimate still counts) is below this is not arriving, for the room kept for it
+# A class whose arrivals' decayed weight (`ArrivalRate.weight`: rate x time constant, the
+# requests the estimate still counts) is below this is not arriving, for the room kept for it
 # (`AdmissionController._reserved`). The estimate decays exponentially and never reaches 0, and
 # where a class's cap equals the cap of the class above it (small caps: a few requests fill the
 # batch), any rate above 0 has the class above lose a share of its requests to the class below,
-# however few requests that share is of: so the room kept outlived the demand it was kept for. Measured
-# (12-04, 2-core AVX2 EPYC, 5 s SLO): in the standard-only run at 1.5 x C0, critical's estimate
-# from the mixed run before (its last critical request 65-97 s earlier) kept one of standard's
-# five slots for 32 s, and 7 of the run's 16 refusals came from it. One twentieth of a request
-# is about three time constants after a lone arrival (30 s at the shipped 10 s), longer after
-# more (ln(weight / 0.05) time constants).
+# however few requests that share is of: so the room kept outlived the demand it was kept for.
+# Measured (12-04, 2-core AVX2 EPYC, 5 s SLO): in the standard-only run at 1.5 x C0, critical's
+# estimate from the mixed run before (its last critical request over a minute earlier) kept one
+# of standard's five slots for 32 s, and 7 of the run's 16 refusals came from it. One twentieth
+# of a request is about three time constants after a lone arrival (30 s at the shipped 10 s),
+# longer after more (ln(weight / 0.05) time constants).
 ABSENT_WEIGHT = 0.05
 
 
