@@ -744,3 +744,29 @@ def test_fixed_runs_are_long_enough_to_judge_a_share_of_critical_requests() -> N
     assert plan().size_runs(1.26) == 135.0
     assert plan(run_s=45.0).size_runs(1.26) == 45.0  # --run-s is kept whatever C0 is
     assert plan(quick=True).size_runs(1.26) == 15.0
+
+
+def test_warm_up_reports_what_the_requests_not_answered_200_got(monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from bench import overload
+
+    plan = overload.Plan(argparse.Namespace(quick=True, slo_ms=2000.0, run_s=None, drain_s=None, bisect=None,
+                                            max_tokens=16, mix=None, no_mix=True, seed=None, no_progress=True,
+                                            only=None))
+    burst = [rec(0, 0.0, 1.0), rec(1, 0.5, 1.5), rec(2, 1.0, 1.01, status=503), rec(3, 1.5, None, status=None)]
+    calls: list[int | None] = []
+
+    def load(base: str, profile: object, plan_: object, label: str, **kw: object) -> RunResult:
+        calls.append(kw.get("max_requests"))  # type: ignore[arg-type]
+        records = burst if kw.get("max_requests") is None else [rec(0, 0.0, 1.2, first=0.4)]
+        return RunResult(constant(1.0, 1.0), records, [], 0.0, 1)
+
+    monkeypatch.setattr(overload, "run_profile", load)
+    monkeypatch.setattr(overload, "wait_idle", lambda base, brownout: None)
+    doc = overload.warm_up("http://127.0.0.1:1", plan, True, "test")
+    assert calls == [None] + [1] * overload.UNLOADED_N
+    assert doc["warm_up_ok"] == 2 and doc["warm_up_requests"] == 4
+    assert doc["warm_up_status"] == {"200": 2, "503": 1, "conn_error": 1}
+    assert doc["unloaded_requests"] == doc["unloaded_ok"] == overload.UNLOADED_N
+    assert doc["unloaded_e2e_ms_p50"] == 1200.0
