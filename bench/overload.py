@@ -67,7 +67,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -624,7 +623,7 @@ def warm_up(base: str, plan: Plan, brownout: bool, label: str, first: bool = Fal
     ttft = [r.ttft_ms for r in singles if r.ok and r.ttft_ms is not None]
     doc = {"warm_up_ok": sum(1 for r in burst.records if r.ok), "warm_up_requests": len(burst.records),
            # what the others got: a warm-up request not answered 200 is a finding, not noise
-           "warm_up_status": dict(sorted(Counter(rep.status_key(r) for r in burst.records).items())),
+           "warm_up_status": rep.status_counts(burst.records),
            "unloaded_e2e_ms_p50": None if not e2e else round(percentile(e2e, 50) or 0, 1),
            "unloaded_ttft_ms_p50": None if not ttft else round(percentile(ttft, 50) or 0, 1),
            "unloaded_requests": len(singles), "unloaded_ok": len(e2e)}

@@ -46,6 +46,11 @@ def status_key(rec: RequestRecord) -> str:
     return str(rec.status)
 
 
+def status_counts(records: Sequence[RequestRecord]) -> dict[str, int]:
+    """How many of ``records`` got each outcome (`status_key`), in key order."""
+    return dict(sorted(Counter(status_key(r) for r in records).items()))
+
+
 def is_timeout(rec: RequestRecord) -> bool:
     """The client gave up: cut off at the end of the run, or an httpx time-out."""
     return rec.status == CUT_OFF or (rec.error or "").split(":")[0].endswith("Timeout")
@@ -129,7 +134,7 @@ def summarize(records: Sequence[RequestRecord], slo_ms: float, span_s: float,
         "shed_ratio": _r(len(shed) / n if n else None, 4),
         "shed_p50_ms": _r(percentile(shed_ms, 50)),
         "errors": n - len(ok),
-        "status_counts": dict(sorted(Counter(status_key(r) for r in records).items())),
+        "status_counts": status_counts(records),
         "e2e_ms": {f"p{q}": _r(percentile(e2e, q)) for q in (50, 90, 99)},
         "ttft_ms": {f"p{q}": _r(percentile(ttft, q)) for q in (50, 90, 99)},
         "max_level_seen": max((r.level for r in records if r.level is not None), default=None),
