@@ -414,6 +414,10 @@ class AdmissionGate:
             # level models found measured in a slower phase at a change up, and replaced (`set_level`)
             "level_models_replaced": None if ctl is None else ctl.models_replaced,
             "reserved": None if ctl is None else {c.value: ctl.reserve(c, now) for c in Criticality},
+            # the measured latency's 0.99 quantile over the model's prediction, and the limit it sets
+            # the classes below critical while critical work arrives (`AdmissionController.tail_limit`)
+            "latency_tail": None if ctl is None else round(ctl.tail_factor, 3),
+            "tail_limit": None if ctl is None else ctl.tail_limit,
             "admitted": dict(self.admitted),
             "refused": {f"{c}:{r}": n for (c, r), n in sorted(self.refused.items())},
         }
