@@ -50,6 +50,18 @@ The rule, and why:
   slot. Without this, where caps are small, standard and sheddable both
   sit at the floor of one request under overload and are shed alike, not in order (measured at
   3x C0 on 2 cores: sheddable 66.7% shed, standard 69.4%).
+- **Room for critical work's tail.** The objective is a p99, and critical work is to be 99%
+  within it, but ``latency_s`` predicts a mean; on 2 cores the latencies of requests run at the
+  same concurrency spread to 1.55-1.63 x their median at the 99th percentile (12-04, AVX-512
+  EPYC, 2 s SLO), and critical requests admitted beside standard work held at its share's cap
+  (at the mean) ran late. So the controller measures that spread (`LatencyTail`: each served
+  request's latency over the model's prediction at the concurrency it ran at, over the last
+  `TAIL_WINDOW`, as a lognormal's 0.99 quantile with a robust deviation), and while critical
+  work arrives each class below it is held one request under the concurrency at which the
+  prediction times that factor meets critical's budget (`AdmissionController.tail_limit`): a
+  critical request arriving at that door runs where 99% of requests finish in time. With no
+  critical work arriving the spread changes nothing; ``reserve_quantile`` 0 turns it off with
+  the rest of the room kept.
 - **Critical work at a full door waits for the next freed slot** (`serve_app.admission`): for up
   to ``admission.critical_wait_share`` (0.1) of the SLO, first come first served, before it is
   refused; every release hands its slot to the first in line while critical's cap has room, and

@@ -348,8 +348,9 @@ class AdmissionConfig(_Strict):
         default=0.99, ge=0.0, lt=1.0, allow_inf_nan=False,
         description="room kept for more critical classes: each class is held to the highest limit "
         "at which it raises the share of refused requests of the classes above it by at most "
-        "1 - this (Erlang's loss model of their measured arrival rates and the service model; "
-        "0: no reservation)",
+        "1 - this (Erlang's loss model of their measured arrival rates and the service model), "
+        "and while critical work arrives the classes below it leave room for its latency's tail "
+        "(0: no reservation of either kind)",
     )
     critical_wait_share: float = Field(
         default=0.1, ge=0.0, le=0.5, allow_inf_nan=False,

@@ -509,3 +509,17 @@ def test_a_refusal_names_the_limit_that_refused_it(critical_rate: float, limit: 
     assert err.value.status == 429 and err.value.message.startswith(why), err.value.message
     assert "class_share" not in err.value.message
     assert ctl.decide(Criticality.STANDARD, cap, g._clock()).limited_by == limit
+
+
+def test_the_state_shows_the_latency_tail_and_the_limit_it_sets() -> None:
+    clock = FakeClock()
+    g = AdmissionGate(max_num_seqs=16, clock=clock)
+    g.configure(parse_policy(SLO_POLICY))
+    assert g.state()["latency_tail"] == 1.0 and g.state()["tail_limit"] is None  # nothing measured
+    for k in range(60):  # served one at a time, every other one 1.5 x slower: a spread
+        t = g.admit(None)
+        clock.advance(0.5 if k % 2 else 0.75)
+        g.release(t, served=True)
+    ctl = g.controller
+    assert ctl.tail_factor > 1.0 and ctl.tail_limit is not None
+    assert g.state()["latency_tail"] == round(ctl.tail_factor, 3) and g.state()["tail_limit"] == ctl.tail_limit
