@@ -1251,20 +1251,21 @@ def test_while_critical_work_arrives_the_classes_below_leave_it_room_at_its_tail
     """Critical work is to be 99% within the SLO, the model predicts a mean, and on 2 cores a
     request's latency spreads to 1.6 x the median at its concurrency (12-04, AVX-512 EPYC): held
     to standard's cap at the mean, critical requests ran 2.01-2.35 s against a 2 s SLO. While
-    critical work arrives, the classes below it are held one request under the concurrency at
-    which the prediction times the measured 0.99 quantile meets critical's budget; with no
-    critical work, the spread changes nothing."""
+    critical work arrives, the classes below it are held to the concurrency at which the
+    prediction times the measured 0.99 quantile meets critical's budget; with no critical work,
+    the spread changes nothing."""
     ctl = controller(settings_=RESERVING)
     _spread_completions(ctl, 0.2, 30.0)
     factor = ctl.tail_factor
     assert 1.4 < factor < 1.8
     limit = ctl.tail_limit
-    assert limit == max(1, ctl.model.max_within(ctl.budget_s / factor) - 1)
+    assert limit == ctl.model.max_within(ctl.budget_s / factor)
     assert 1 <= limit < ctl.max_admitted(S)
     _offer(ctl, {S: 3.0}, 60.0, start=30.0)  # standard alone: its share's cap, the spread notwithstanding
     assert ctl.class_cap(S, 60.0) == ctl.max_admitted(S) and ctl.reserve(S, 60.0) == 0
-    _offer(ctl, {C: 1.0, S: 3.0}, 90.0, start=60.0)  # critical work arrives
-    assert ctl.class_cap(S, 90.0) <= limit and ctl.class_cap(D, 90.0) <= limit
+    _offer(ctl, {C: 1.0, S: 3.0, D: 3.0}, 90.0, start=60.0)  # critical work arrives, and sheddable
+    assert ctl.class_cap(S, 90.0) <= limit
+    assert ctl.class_cap(D, 90.0) < ctl.class_cap(S, 90.0)  # room kept for standard within the limit: order holds
     assert ctl.reserve(S, 90.0) >= ctl.max_admitted(S) - limit
     assert ctl.class_cap(C, 90.0) == ctl.max_admitted(C)  # critical's own cap is its share's
     refused = ctl.decide(S, limit, 90.0)
@@ -1276,7 +1277,7 @@ def test_no_spread_and_no_room_kept_leave_no_tail_limit() -> None:
     exact = controller(settings_=RESERVING)
     _spread_completions(exact, 0.0, 30.0)  # every latency on the line: (about) no margin
     assert exact.tail_factor == pytest.approx(1.0, abs=1e-3)
-    assert exact.tail_limit == exact.max_admitted(C) - 1 >= exact.max_admitted(S)  # binds no class
+    assert exact.tail_limit == exact.max_admitted(C) >= exact.max_admitted(S)  # binds no class
     few = controller(settings_=RESERVING)
     _spread_completions(few, 0.2, 2.0)  # 20 completions measure no spread yet
     assert few.tail_limit is None and few.tail_factor == 1.0
