@@ -565,8 +565,8 @@ FAST_FRACTION = 0.2
 # request's latency over the median at its concurrency 1.55-1.63, the 90th 1.26-1.30; critical
 # requests ran where standard's cap (0.9 of the budget, at the mean) held the door, 8-11 in
 # flight, and 13 of 312 finished 2.01-2.35 s after they were sent. So while critical work
-# arrives, the classes below it are held where a critical request arriving next would still
-# finish within critical's budget at that quantile (`LatencyTail`, `AdmissionController._reserved`).
+# arrives, the classes below it are held to the concurrency at which that quantile of the
+# latency is within critical's budget (`LatencyTail`, `AdmissionController.tail_limit`).
 TAIL_Z = 2.326  # the standard normal's 0.99 quantile: the objective is a p99
 TAIL_WINDOW = 200  # completions the spread is measured over
 TAIL_MIN = 30  # fewer than this measure no spread (no margin)
