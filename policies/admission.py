@@ -1012,7 +1012,8 @@ class AdmissionController:
     def reserve(self, criticality: Criticality, now: float) -> int:
         """Slots of its share's cap that ``criticality`` leaves to the classes above it: its
         share's cap less its reserved limit (`reserved_limits`, from the classes' measured
-        arrival rates and the service model in force); 0 for critical."""
+        arrival rates and the service model in force, within `tail_limit` while critical work
+        arrives); 0 for critical."""
         self._expire_hold(now)
         rank = _RANK[criticality]
         return max(0, min(self._caps[rank], self._caps[0]) - self._reserved(now)[rank])
