@@ -1285,3 +1285,17 @@ def test_no_spread_and_no_room_kept_leave_no_tail_limit() -> None:
     _spread_completions(off, 0.2, 30.0)
     _offer(off, {C: 1.0, S: 3.0}, 60.0, start=30.0)
     assert off.tail_limit is not None and off.class_cap(S, 60.0) == off.max_admitted(S)
+
+
+def test_within_the_tail_limit_standard_keeps_room_from_sheddable_where_their_shares_are_equal() -> None:
+    """The shipped shares give standard and sheddable one cap (0.9 each); their order comes from
+    the room standard keeps from sheddable. Sized after the tail limit cut both to it, both sat at
+    the limit and were shed alike (measured once under oscillation: standard 21% shed, sheddable
+    17%); sized within the limit, sheddable stays below standard."""
+    shipped = SloConfig(e2e_p99_ms=2100, class_share={"critical": 1.0, "standard": 0.9, "sheddable": 0.9})
+    ctl = controller(slo=shipped, settings_=RESERVING)
+    _spread_completions(ctl, 0.2, 30.0)
+    assert ctl.max_admitted(S) == ctl.max_admitted(D) > ctl.tail_limit
+    _offer(ctl, {C: 1.0, S: 1.0, D: 3.0}, 60.0, start=30.0)
+    assert ctl.class_cap(S, 60.0) == ctl.tail_limit
+    assert ctl.class_cap(D, 60.0) < ctl.class_cap(S, 60.0)
