@@ -164,6 +164,7 @@ from __future__ import annotations
 import collections
 import enum
 import math
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -456,9 +457,7 @@ class ServiceModel:
         ``m`` is ``L / S`` alone."""
         if not (latency_s > 0 and service_s > 0):
             return False
-        m = max(1.0, latency_s / service_s)
-        if self.slots is not None and ahead + 1 > self.slots:
-            m = max(m, ahead + 1.0)
+        m = self.concurrency(latency_s, service_s, ahead)
         x, y = m - 1.0, latency_s
         if self.slots is not None and m > self.slots:  # it queued: the full batch it implies
             x, y = self.slots - 1.0, latency_s * self.slots / m
@@ -479,6 +478,14 @@ class ServiceModel:
         self._opened_at, self._window, self._measured = None, [0.0] * 5, True
         self._fit()
         return True
+
+    def concurrency(self, latency_s: float, service_s: float, ahead: int = 0) -> float:
+        """The requests a served completion shared the server with, itself included: ``L / S``
+        (at least 1), and past the batch at least ``ahead + 1`` (`observe`). Both positive."""
+        m = max(1.0, latency_s / service_s)
+        if self.slots is not None and ahead + 1 > self.slots:
+            m = max(m, ahead + 1.0)
+        return m
 
     def _remember(self, now: float, m: float, latency_s: float) -> None:
         """Fold one completion into the bucket of its concurrency (``round(m)``), and recompute
@@ -599,19 +606,12 @@ class LatencyTail:
     def factor(self, z: float = TAIL_Z) -> float:
         if len(self._logs) < TAIL_MIN:
             return 1.0
-        logs = sorted(self._logs)
-        mid = _median(logs)
-        mad = _median(sorted(abs(x - mid) for x in logs))
+        mid = statistics.median(self._logs)
+        mad = statistics.median(abs(x - mid) for x in self._logs)
         return max(1.0, math.exp(mid + z * MAD_TO_SD * mad))
 
 
 MAD_TO_SD = 1.4826  # a normal's standard deviation over its median absolute deviation
-
-
-def _median(xs: Sequence[float]) -> float:
-    """The median of sorted ``xs`` (not empty)."""
-    n = len(xs)
-    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
 
 
 class ArrivalRate:
@@ -1118,11 +1118,9 @@ class AdmissionController:
         Feed completions of requests the model served only: an abort, an error or a
         semantic-cache answer says nothing about the model's capacity.
         """
-        if latency_s > 0 and service_s > 0:  # its spread around the prediction, as `ServiceModel.observe` places it
-            m = max(1.0, latency_s / service_s)
-            if ahead + 1 > self.slots:
-                m = max(m, ahead + 1.0)
-            self._tail.add(latency_s / self.model.latency_s(m))
+        if latency_s > 0 and service_s > 0:  # its spread around the prediction where the model places it
+            model = self.model
+            self._tail.add(latency_s / model.latency_s(model.concurrency(latency_s, service_s, ahead)))
         if self.model.observe(now, latency_s, service_s, ahead):
             self._recompute()
 
