@@ -349,7 +349,8 @@ class AdmissionConfig(_Strict):
         description="room kept for more critical classes: each class is held to the highest limit "
         "at which it raises the share of refused requests of the classes above it by at most "
         "1 - this (Erlang's loss model of their measured arrival rates and the service model), "
-        "and while critical work arrives the classes below it leave room for its latency's tail "
+        "and while critical work arrives and all classes keep the door full the classes below it "
+        "leave room for its latency's tail "
         "(0: no reservation of either kind)",
     )
     critical_wait_share: float = Field(

@@ -415,9 +415,11 @@ class AdmissionGate:
             "level_models_replaced": None if ctl is None else ctl.models_replaced,
             "reserved": None if ctl is None else {c.value: ctl.reserve(c, now) for c in Criticality},
             # the measured latency's 0.99 quantile over the model's prediction, and the limit it sets
-            # the classes below critical while critical work arrives (`AdmissionController.tail_limit`)
+            # the classes below critical (`AdmissionController.tail_limit`)
             "latency_tail": None if ctl is None else round(ctl.tail_factor, 3),
             "tail_limit": None if ctl is None else ctl.tail_limit,
+            # whether it holds them now: critical work arrives and all classes keep the door at it
+            "tail_holds": None if ctl is None else ctl.tail_holds(now),
             "admitted": dict(self.admitted),
             "refused": {f"{c}:{r}": n for (c, r), n in sorted(self.refused.items())},
         }

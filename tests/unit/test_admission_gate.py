@@ -523,3 +523,4 @@ def test_the_state_shows_the_latency_tail_and_the_limit_it_sets() -> None:
     ctl = g.controller
     assert ctl.tail_factor > 1.0 and ctl.tail_limit is not None
     assert g.state()["latency_tail"] == round(ctl.tail_factor, 3) and g.state()["tail_limit"] == ctl.tail_limit
+    assert g.state()["tail_holds"] is False  # no critical work arrives

@@ -446,7 +446,8 @@ def test_run_load_records_every_request_against_a_fake_server() -> None:
                                              "class_cap": {"critical": 5}, "reserved": None, "rate_per_s": 1.5, "base_latency_s": None,
                                              "per_request_s": None, "latency_floor_s": None, "wait_smoothing_s": None,
                                              "caps_held_s": None, "level_models_replaced": None,
-                                             "latency_tail": None, "tail_limit": None, "refused": None}
+                                             "latency_tail": None, "tail_limit": None, "tail_holds": None,
+                                             "refused": None}
     doc = rep.run_report("fake", result, 2000.0)
     assert doc["admission"] and doc["admission"][0]["class_cap"] == {"critical": 5} and "t_s" in doc["admission"][0]
     for r, req in zip(result.records, chats, strict=True):
