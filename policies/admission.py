@@ -1029,8 +1029,7 @@ class AdmissionController:
         class below it is also held to that limit (the concurrency at which the measured tail of
         the latency, not only its mean, is within critical's budget), before the room each keeps
         for the classes above it is sized, so that standard and sheddable work keep their order
-        within it. With ``reserve_quantile``
-        0 no room is kept for anyone (neither limit)."""
+        within it. With ``reserve_quantile`` 0 no room is kept for anyone (neither limit)."""
         q = self.settings.reserve_quantile
         if q <= 0.0:
             return self._caps
@@ -1053,7 +1052,8 @@ class AdmissionController:
     @property
     def tail_limit(self) -> int | None:
         """While critical work arrives and all classes arrive fast enough to keep the door at it
-        (`_tail_pressed`), the most requests in flight at which a class below it is admitted: the concurrency at which the model's prediction times `tail_factor` is within
+        (`_tail_pressed`), the most requests in flight at which a class below it is admitted:
+        the concurrency at which the model's prediction times `tail_factor` is within
         critical's share of the budget, at least 1, so the classes below do not take the server
         past where 99% of requests finish within critical's budget (critical work itself may go
         on to its own cap). None (no such limit) until `TAIL_MIN` completions have measured the
