@@ -5,17 +5,26 @@ JSON line per reading (every 0.5 s), then a JSON summary with the mean utilisati
 and load phases. NVML's utilisation is an average over its last sample period, so readings in
 the first ``--settle-s`` of each phase are printed but left out of the means.
 
+Then memory: it holds ``--hold-gib`` more on the first GPU and reads the probe and
+``nvidia-smi`` side by side, then frees it and reads the probe again. The summary's
+``memory`` says both used figures and what the probe saw freed; the probe's figure must be
+``nvidia-smi``'s to within ``--mem-tolerance-mib`` (where ``nvidia-smi`` is on the PATH).
+
 Run from the repository root: ``python bench/gpu_probe.py`` (or ``python -m bench.gpu_probe``).
 
-Exit status: 0 when the mean load utilisation is above the mean idle one, 2 when there is no
-CUDA GPU or NVML cannot read it, 3 when the load did not show in the readings.
+Exit status: 0 when the mean load utilisation is above the mean idle one and the memory held
+shows as it should, 2 when there is no CUDA GPU or NVML cannot read it, 3 when the load did not
+show in the readings, 4 when the memory did not. ``--out FILE`` also writes the readings and the
+summary as one JSON document.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -67,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interval-s", type=float, default=0.5)
     parser.add_argument("--size", type=int, default=8192, help="matmul side length")
     parser.add_argument("--settle-s", type=float, default=1.0)
+    parser.add_argument("--hold-gib", type=float, default=8.0, help="memory held for the memory check")
+    parser.add_argument("--mem-tolerance-mib", type=float, default=64.0)
+    parser.add_argument("--out", type=Path, default=None, help="write readings and summary as JSON")
     args = parser.parse_args(argv)
 
     import torch
@@ -84,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     worker = threading.Thread(target=_workload, args=(load, stop, args.size), daemon=True)
     worker.start()
     samples: dict[str, list[float]] = {"idle": [], "load": []}
+    rows: list[dict[str, object]] = []
     start = time.monotonic()
     try:
         for phase, duration_s in PHASES:
@@ -95,10 +108,14 @@ def main(argv: list[str] | None = None) -> int:
             phase_end = phase_start + duration_s
             while (now := time.monotonic()) < phase_end:
                 reading = probe.read()
-                print(json.dumps(_row(phase, now - start, reading)), flush=True)
+                rows.append(_row(phase, now - start, reading))
+                print(json.dumps(rows[-1]), flush=True)
                 if reading.available and now - phase_start >= args.settle_s:
                     samples[phase].append(reading.util_ratio)
                 time.sleep(max(0.0, min(args.interval_s, phase_end - time.monotonic())))
+        stop.set()
+        worker.join(timeout=10)
+        memory = _memory_check(probe, args.hold_gib)
     finally:
         stop.set()
         worker.join(timeout=10)
@@ -116,9 +133,66 @@ def main(argv: list[str] | None = None) -> int:
         "load_samples": len(samples["load"]),
         "read_errors": probe.read_errors,
         "load_visible": load_mean > idle_mean,
+        "memory": memory,
     }
+    smi = memory["smi_used_mib"]
+    memory["matches_nvidia_smi"] = (
+        None if smi is None else abs(memory["probe_used_mib"] - smi) <= args.mem_tolerance_mib
+    )
+    # The probe must see the memory held (to within the tolerance) and see it freed.
+    memory["visible"] = (
+        all(abs(memory[k] - args.hold_gib) * 1024 <= args.mem_tolerance_mib
+            for k in ("probe_held_gib", "probe_freed_gib"))
+        and memory["matches_nvidia_smi"] is not False
+    )  # fmt: skip
     print(json.dumps({"summary": summary}, indent=2))
-    return 0 if summary["load_visible"] else 3
+    if args.out is not None:
+        args.out.write_text(json.dumps({"summary": summary, "readings": rows}, indent=1) + "\n")
+    if not summary["load_visible"]:
+        return 3
+    return 0 if memory["visible"] else 4
+
+
+def _smi_used_mib() -> float | None:
+    """The first GPU's memory in use as ``nvidia-smi`` shows it, in MiB (None without it)."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    out = subprocess.run(
+        ["nvidia-smi", "-i", "0", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+        capture_output=True, text=True, check=False, timeout=30,
+    )  # fmt: skip
+    try:
+        return float(out.stdout.strip().splitlines()[0])
+    except (IndexError, ValueError):
+        return None
+
+
+def _memory_check(probe: GpuProbe, hold_gib: float) -> dict[str, float | None]:
+    """Hold ``hold_gib`` on the first GPU: the probe's and nvidia-smi's used memory while it is
+    held, and how much more the probe saw in use while it was held and how much less once it was
+    let go."""
+    import torch
+
+    torch.cuda.empty_cache()  # the load's tensors, cached by torch, out of the figures
+    torch.cuda.synchronize()
+    time.sleep(0.5)
+    before = probe.read().devices[0].mem_used_bytes
+    held = torch.empty(int(hold_gib * 2**30), dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    with_held = probe.read().devices[0].mem_used_bytes
+    smi = _smi_used_mib()
+    del held
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    time.sleep(0.5)
+    after = probe.read().devices[0].mem_used_bytes
+    return {
+        "hold_gib": hold_gib,
+        "probe_used_mib": round(with_held / 2**20, 1),
+        "smi_used_mib": smi,
+        "probe_held_gib": round((with_held - before) / 2**30, 3),
+        "probe_freed_gib": round((with_held - after) / 2**30, 3),
+    }
 
 
 if __name__ == "__main__":

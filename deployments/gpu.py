@@ -18,7 +18,11 @@ __all__ = ["DeviceReading", "GpuProbe", "GpuReading"]
 @dataclass(frozen=True)
 class DeviceReading:
     """One GPU at one instant. ``util_ratio`` is NVML's busy-time percentage over its last
-    sample period (about 1/6 s to 1 s depending on the device), divided by 100."""
+    sample period (about 1/6 s to 1 s depending on the device), divided by 100.
+    ``mem_used_bytes`` is what processes hold, as ``nvidia-smi`` shows it: NVML's version-2 memory
+    reading, which leaves out what the driver reserves for itself (618 MiB on an H200 with driver
+    580, `bench/results/gpu_probe_2026-12-04_h200.json`); version 1's ``used`` counts that too, and
+    is read only where the driver or pynvml has no version 2."""
 
     index: int
     name: str
@@ -76,6 +80,7 @@ class GpuProbe:
         self._lock = threading.Lock()
         self._init_done = False
         self._init_failure: str | None = None
+        self._memory_v2: bool | None = None  # unknown until the first read; False: use version 1
         self.read_errors = 0
 
     def read(self) -> GpuReading:
@@ -85,7 +90,7 @@ class GpuProbe:
             if nvml is None:
                 return GpuReading.unavailable(self._init_failure or "NVML not initialised")
             try:
-                devices = tuple(_read_device(nvml, i) for i in range(nvml.nvmlDeviceGetCount()))
+                devices = tuple(self._read_device(nvml, i) for i in range(nvml.nvmlDeviceGetCount()))
             except Exception as err:  # noqa: BLE001 - NVMLError or anything else: degrade
                 self.read_errors += 1
                 return GpuReading.unavailable(f"NVML read failed: {_describe(err)}", failed=True)
@@ -127,21 +132,42 @@ class GpuProbe:
                 self._init_failure = f"no NVIDIA driver ({_describe(err)})"
         return None if self._init_failure is not None else self._nvml
 
+    def _read_device(self, nvml: Any, index: int) -> DeviceReading:
+        handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        name = nvml.nvmlDeviceGetName(handle)
+        if isinstance(name, bytes):  # older pynvml returns bytes
+            name = name.decode(errors="replace")
+        util = nvml.nvmlDeviceGetUtilizationRates(handle)
+        mem = self._memory_info(nvml, handle)
+        return DeviceReading(
+            index=index,
+            name=str(name),
+            util_ratio=min(max(float(util.gpu) / 100.0, 0.0), 1.0),
+            mem_used_bytes=int(mem.used),
+            mem_total_bytes=int(mem.total),
+        )
 
-def _read_device(nvml: Any, index: int) -> DeviceReading:
-    handle = nvml.nvmlDeviceGetHandleByIndex(index)
-    name = nvml.nvmlDeviceGetName(handle)
-    if isinstance(name, bytes):  # older pynvml returns bytes
-        name = name.decode(errors="replace")
-    util = nvml.nvmlDeviceGetUtilizationRates(handle)
-    mem = nvml.nvmlDeviceGetMemoryInfo(handle)
-    return DeviceReading(
-        index=index,
-        name=str(name),
-        util_ratio=min(max(float(util.gpu) / 100.0, 0.0), 1.0),
-        mem_used_bytes=int(mem.used),
-        mem_total_bytes=int(mem.total),
-    )
+    def _memory_info(self, nvml: Any, handle: Any) -> Any:
+        """NVML's version-2 memory reading where it exists, else version 1 (`DeviceReading`).
+        A driver without version 2 says so once (function not found, not supported, version
+        mismatch); the probe then reads version 1 for the rest of its life. Any other error
+        is a failed read, as before."""
+        version = getattr(nvml, "nvmlMemory_v2", None)
+        if self._memory_v2 is not False and version is not None:
+            absent = tuple(
+                err for err in (getattr(nvml, name, None) for name in (
+                    "NVMLError_FunctionNotFound", "NVMLError_NotSupported",
+                    "NVMLError_ArgumentVersionMismatch"))
+                if isinstance(err, type) and issubclass(err, BaseException)
+            )  # fmt: skip
+            try:
+                mem = nvml.nvmlDeviceGetMemoryInfo(handle, version=version)
+            except absent:
+                self._memory_v2 = False
+            else:
+                self._memory_v2 = True
+                return mem
+        return nvml.nvmlDeviceGetMemoryInfo(handle)
 
 
 def _describe(err: BaseException) -> str:

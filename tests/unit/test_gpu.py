@@ -105,3 +105,58 @@ def test_close_shuts_nvml_down_once_and_later_reads_say_so() -> None:
     probe.close()
     assert nvml.shutdown_calls == 1
     assert probe.read().reason == "probe closed"
+
+
+class _FunctionNotFound(Exception):
+    """pynvml's ``NVMLError_FunctionNotFound``: the driver has no such function."""
+
+
+class FakeNVMLv2(FakeNVML):
+    """Also NVML's version-2 memory reading, as a recent driver gives it: version 1's ``used``
+    counts the driver's reserved memory, version 2's does not (618 MiB on an H200, measured)."""
+
+    nvmlMemory_v2 = 0x2000028  # noqa: N815 - pynvml's name
+    NVMLError_FunctionNotFound = _FunctionNotFound  # noqa: N815
+
+    def __init__(self, devices: list[tuple[Any, int, int, int]], reserved: int) -> None:
+        super().__init__(devices)
+        self.reserved = reserved
+        self.v2_error: Exception | None = None
+        self.v2_calls = 0
+
+    def nvmlDeviceGetMemoryInfo(self, handle: int, version: int | None = None) -> _Mem:  # noqa: N802
+        _, _, used, total = self.devices[handle]
+        if version is None:
+            return _Mem(used + self.reserved, total)
+        assert version == self.nvmlMemory_v2
+        self.v2_calls += 1
+        if self.v2_error is not None:
+            raise self.v2_error
+        return _Mem(used, total)
+
+
+def test_memory_in_use_leaves_out_what_the_driver_reserves_where_nvml_can_tell() -> None:
+    nvml = FakeNVMLv2([("H200", 10, 8 * 2**30, 140 * 2**30)], reserved=618 * 2**20)
+    reading = GpuProbe(nvml).read()
+    assert reading.devices[0].mem_used_bytes == 8 * 2**30  # as nvidia-smi shows it
+    assert reading.mem_ratio == 8 / 140
+
+
+def test_a_driver_without_the_second_memory_reading_is_read_with_the_first_and_asked_once() -> None:
+    nvml = FakeNVMLv2([("T4", 10, 1000, 4000)], reserved=200)
+    nvml.v2_error = _FunctionNotFound()
+    probe = GpuProbe(nvml)
+    for _ in range(3):
+        reading = probe.read()
+        assert reading.available and reading.devices[0].mem_used_bytes == 1200  # version 1's used
+    assert nvml.v2_calls == 1 and probe.read_errors == 0
+
+
+def test_any_other_error_of_the_memory_reading_is_a_failed_read_not_a_fallback() -> None:
+    nvml = FakeNVMLv2([("H200", 10, 1000, 4000)], reserved=200)
+    nvml.v2_error = OSError("GPU is lost")
+    probe = GpuProbe(nvml)
+    reading = probe.read()
+    assert not reading.available and reading.failed and probe.read_errors == 1
+    nvml.v2_error = None
+    assert probe.read().devices[0].mem_used_bytes == 1000  # version 2 still asked for
