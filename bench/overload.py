@@ -55,6 +55,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import hashlib
 import json
 import logging
 import math
@@ -207,7 +208,7 @@ class Plan:
         unknown = sorted(set(self.runs) - set(RUNS))
         if unknown:
             raise SystemExit(f"--only: unknown run(s) {unknown}; choose from {list(RUNS)}")
-        self._seq = 0
+        self._seq: dict[str, int] = {}  # runs per label so far (`next_seed`)
 
     def size_runs(self, c0: float) -> float:
         """Set (and return) the fixed-rate runs' length for this C0: `sized_run_s`, unless
@@ -216,9 +217,18 @@ class Plan:
             self.run_s = sized_run_s(self.run_floor_s, c0, self.mix)
         return self.run_s
 
-    def next_seed(self) -> int | None:
-        self._seq += 1
-        return None if self.seed is None else self.seed + self._seq
+    def next_seed(self, label: str) -> int | None:
+        """The seed of one run or probe (its schedule and prompts): from ``--seed``, the run's
+        label and how many runs of that label came before it (None without ``--seed``). Not a
+        count of all runs so far: the calibration takes as many probes as its search needs, so
+        with such a count a named run's schedule moved with the probes before it, and two
+        ``--seed`` values one apart gave some runs the same schedule (measured: the first 3 x
+        repeat of ``--seed 207`` and of ``--seed 208`` sent the same 499 requests)."""
+        count = self._seq[label] = self._seq.get(label, 0) + 1
+        if self.seed is None:
+            return None
+        digest = hashlib.sha256(f"{self.seed}\0{label}\0{count}".encode()).digest()
+        return int.from_bytes(digest[:4], "big")
 
 
 MIN_CRITICAL = 100  # critical requests a 3 x C0 run must hold: one late one is then at most 1%
@@ -462,7 +472,7 @@ def run_profile(base: str, profile: Profile, plan: Plan, label: str, *, stop: An
                 drain_s: float | None = None, mix: Any = "plan", poll: bool = True,
                 max_requests: int | None = None, arrivals: Any = None) -> RunResult:
     return asyncio.run(run_load(
-        base, MODEL, profile, seed=plan.next_seed(), arrivals=arrivals, mix=plan.mix if mix == "plan" else mix,
+        base, MODEL, profile, seed=plan.next_seed(label), arrivals=arrivals, mix=plan.mix if mix == "plan" else mix,
         max_requests=max_requests,
         max_tokens=plan.max_tokens, drain_timeout_s=plan.drain_s if drain_s is None else drain_s,
         stop=stop, poll_levels_s=0.5 if poll else None, progress=label if plan.progress else None,
@@ -582,7 +592,8 @@ def vllm_bench_args(base: str, num_prompts: int, rate_rps: float, seed: int) -> 
 
 def vllm_bench_serve(base: str, tmp: Path, plan: Plan, num_prompts: int, rate_rps: float) -> dict[str, Any]:
     """Run vLLM's own benchmark client against the server (unchanged) and keep its summary."""
-    seed = plan.next_seed() or int(time.time())
+    seed = plan.next_seed("vllm bench serve")
+    seed = int(time.time()) if seed is None else seed
     cmd = [sys.executable, str(ROOT / "bench" / "vllm_bench_serve.py"),
            *vllm_bench_args(base, num_prompts, rate_rps, seed),
            "--save-result", "--result-dir", str(tmp), "--result-filename", "vllm_bench.json"]

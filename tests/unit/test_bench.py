@@ -748,6 +748,32 @@ def test_fixed_runs_are_long_enough_to_judge_a_share_of_critical_requests() -> N
     assert plan(quick=True).size_runs(1.26) == 15.0
 
 
+def test_a_runs_seed_follows_its_name_not_the_probes_before_it() -> None:
+    """With ``--seed`` a named run's schedule is the same whatever the calibration before it
+    took; another ``--seed`` gives it another one; a label run again gets a new one (new
+    prompts per probe); without ``--seed`` every run is fresh (None)."""
+    import argparse
+
+    from bench import overload
+
+    def plan(seed: int | None) -> overload.Plan:
+        return overload.Plan(argparse.Namespace(quick=False, slo_ms=2000.0, run_s=None, drain_s=None, bisect=None,
+                                                max_tokens=16, mix=None, no_mix=False, seed=seed,
+                                                no_progress=True, only=None))
+
+    short, long_ = plan(207), plan(207)
+    for rate in (1.0, 2.0):
+        short.next_seed(f"C3 (level 3) coarse {rate:.3f}/s")
+    for rate in (1.0, 2.0, 1.5, 1.75, 1.6):  # the search took more probes
+        long_.next_seed(f"C3 (level 3) coarse {rate:.3f}/s")
+    first = short.next_seed("adaptive @3x")
+    assert first == long_.next_seed("adaptive @3x") and first is not None
+    assert plan(208).next_seed("adaptive @3x") != first
+    assert short.next_seed("adaptive @3x") != first  # the same label again: a new schedule
+    assert short.next_seed("adaptive @3x #2") not in (None, first)
+    assert plan(None).next_seed("adaptive @3x") is None
+
+
 def test_warm_up_reports_what_the_requests_not_answered_200_got(monkeypatch: pytest.MonkeyPatch) -> None:
     import argparse
 
