@@ -1116,7 +1116,11 @@ class AdmissionController:
         estimates that also held for ``reserve_window_s`` after (96-99%) left critical work at
         the same 332 of 337 (late in the run's first second and just after the model's line
         had flattened in a lull and raised the limit; one refused) and held the limit in 30-94%
-        of the 1.5 x polls (sheddable work 18-67% within): measured worse, reverted."""
+        of the 1.5 x polls (sheddable work 18-67% within): measured worse, reverted. A
+        trigger with two thresholds (start on the lower bound, hold on while the upper bound
+        reaches the drain rate; ce608db) held it in 79-95% of the 3 x polls and critical work
+        was 318 of 325 and 331 of 342 (its own bursts with the limit holding, a slower
+        machine, a lull then a clump): no better, reverted (bench/RESULTS.md)."""
         return self._arrive_at_least(len(self._arrivals), tail / self.model.latency_s(tail), now)
 
     def class_cap(self, criticality: Criticality, now: float) -> int:
