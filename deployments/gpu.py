@@ -20,7 +20,7 @@ class DeviceReading:
     """One GPU at one instant. ``util_ratio`` is NVML's busy-time percentage over its last
     sample period (about 1/6 s to 1 s depending on the device), divided by 100.
     ``mem_used_bytes`` is what processes hold, as ``nvidia-smi`` shows it: NVML's version-2 memory
-    reading, which leaves out what the driver reserves for itself (618 MiB on an H200 with driver
+    reading, which leaves out what the driver reserves for itself (616 MiB on an H200 with driver
     580, `bench/results/gpu_probe_2026-12-04_h200.json`); version 1's ``used`` counts that too, and
     is read only where the driver or pynvml has no version 2."""
 

@@ -113,7 +113,7 @@ class _FunctionNotFound(Exception):
 
 class FakeNVMLv2(FakeNVML):
     """Also NVML's version-2 memory reading, as a recent driver gives it: version 1's ``used``
-    counts the driver's reserved memory, version 2's does not (618 MiB on an H200, measured)."""
+    counts the driver's reserved memory, version 2's does not (616 MiB on an H200, measured)."""
 
     nvmlMemory_v2 = 0x2000028  # noqa: N815 - pynvml's name
     NVMLError_FunctionNotFound = _FunctionNotFound  # noqa: N815
@@ -136,7 +136,7 @@ class FakeNVMLv2(FakeNVML):
 
 
 def test_memory_in_use_leaves_out_what_the_driver_reserves_where_nvml_can_tell() -> None:
-    nvml = FakeNVMLv2([("H200", 10, 8 * 2**30, 140 * 2**30)], reserved=618 * 2**20)
+    nvml = FakeNVMLv2([("H200", 10, 8 * 2**30, 140 * 2**30)], reserved=616 * 2**20)
     reading = GpuProbe(nvml).read()
     assert reading.devices[0].mem_used_bytes == 8 * 2**30  # as nvidia-smi shows it
     assert reading.mem_ratio == 8 / 140
