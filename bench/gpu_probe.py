@@ -113,12 +113,12 @@ def main(argv: list[str] | None = None) -> int:
                 if reading.available and now - phase_start >= args.settle_s:
                     samples[phase].append(reading.util_ratio)
                 time.sleep(max(0.0, min(args.interval_s, phase_end - time.monotonic())))
-        stop.set()
-        worker.join(timeout=10)
-        memory = _memory_check(probe, args.hold_gib)
     finally:
         stop.set()
         worker.join(timeout=10)
+    try:
+        memory = _memory_check(probe, args.hold_gib, args.mem_tolerance_mib)
+    finally:
         probe.close()
 
     idle_mean = statistics.fmean(samples["idle"]) if samples["idle"] else 0.0
@@ -135,16 +135,6 @@ def main(argv: list[str] | None = None) -> int:
         "load_visible": load_mean > idle_mean,
         "memory": memory,
     }
-    smi = memory["smi_used_mib"]
-    memory["matches_nvidia_smi"] = (
-        None if smi is None else abs(memory["probe_used_mib"] - smi) <= args.mem_tolerance_mib
-    )
-    # The probe must see the memory held (to within the tolerance) and see it freed.
-    memory["visible"] = (
-        all(abs(memory[k] - args.hold_gib) * 1024 <= args.mem_tolerance_mib
-            for k in ("probe_held_gib", "probe_freed_gib"))
-        and memory["matches_nvidia_smi"] is not False
-    )  # fmt: skip
     print(json.dumps({"summary": summary}, indent=2))
     if args.out is not None:
         args.out.write_text(json.dumps({"summary": summary, "readings": rows}, indent=1) + "\n")
@@ -167,10 +157,11 @@ def _smi_used_mib() -> float | None:
         return None
 
 
-def _memory_check(probe: GpuProbe, hold_gib: float) -> dict[str, float | None]:
+def _memory_check(probe: GpuProbe, hold_gib: float, tolerance_mib: float) -> dict[str, object]:
     """Hold ``hold_gib`` on the first GPU: the probe's and nvidia-smi's used memory while it is
     held, and how much more the probe saw in use while it was held and how much less once it was
-    let go."""
+    let go; ``visible`` when the probe saw it held and freed, and matched nvidia-smi (where there
+    is one), each to within ``tolerance_mib``."""
     import torch
 
     torch.cuda.empty_cache()  # the load's tensors, cached by torch, out of the figures
@@ -186,12 +177,18 @@ def _memory_check(probe: GpuProbe, hold_gib: float) -> dict[str, float | None]:
     torch.cuda.synchronize()
     time.sleep(0.5)
     after = probe.read().devices[0].mem_used_bytes
+    used_mib = round(with_held / 2**20, 1)
+    held_gib, freed_gib = round((with_held - before) / 2**30, 3), round((with_held - after) / 2**30, 3)
+    matches = None if smi is None else abs(used_mib - smi) <= tolerance_mib
     return {
         "hold_gib": hold_gib,
-        "probe_used_mib": round(with_held / 2**20, 1),
+        "probe_used_mib": used_mib,
         "smi_used_mib": smi,
-        "probe_held_gib": round((with_held - before) / 2**30, 3),
-        "probe_freed_gib": round((with_held - after) / 2**30, 3),
+        "probe_held_gib": held_gib,
+        "probe_freed_gib": freed_gib,
+        "matches_nvidia_smi": matches,
+        "visible": (all(abs(g - hold_gib) * 1024 <= tolerance_mib for g in (held_gib, freed_gib))
+                    and matches is not False),
     }
 
 

@@ -208,7 +208,7 @@ class Plan:
         unknown = sorted(set(self.runs) - set(RUNS))
         if unknown:
             raise SystemExit(f"--only: unknown run(s) {unknown}; choose from {list(RUNS)}")
-        self._seq: dict[str, int] = {}  # runs per label so far (`next_seed`)
+        self._runs_per_label: dict[str, int] = {}  # `next_seed`
 
     def size_runs(self, c0: float) -> float:
         """Set (and return) the fixed-rate runs' length for this C0: `sized_run_s`, unless
@@ -224,7 +224,7 @@ class Plan:
         with such a count a named run's schedule moved with the probes before it, and two
         ``--seed`` values one apart gave some runs the same schedule (measured: the first 3 x
         repeat of ``--seed 207`` and of ``--seed 208`` sent the same 499 requests)."""
-        count = self._seq[label] = self._seq.get(label, 0) + 1
+        count = self._runs_per_label[label] = self._runs_per_label.get(label, 0) + 1
         if self.seed is None:
             return None
         digest = hashlib.sha256(f"{self.seed}\0{label}\0{count}".encode()).digest()

@@ -80,7 +80,8 @@ class GpuProbe:
         self._lock = threading.Lock()
         self._init_done = False
         self._init_failure: str | None = None
-        self._memory_v2: bool | None = None  # unknown until the first read; False: use version 1
+        self._memory_v1_only = False  # the driver said it has no version-2 memory reading
+        self._v2_absent: tuple[type[BaseException], ...] = ()  # the errors that say so (`_memory_info`)
         self.read_errors = 0
 
     def read(self) -> GpuReading:
@@ -130,6 +131,11 @@ class GpuProbe:
                 self._nvml.nvmlInit()
             except Exception as err:  # noqa: BLE001
                 self._init_failure = f"no NVIDIA driver ({_describe(err)})"
+            self._v2_absent = tuple(
+                err for err in (getattr(self._nvml, name, None) for name in (
+                    "NVMLError_FunctionNotFound", "NVMLError_NotSupported", "NVMLError_ArgumentVersionMismatch"))
+                if isinstance(err, type) and issubclass(err, BaseException)
+            )  # fmt: skip
         return None if self._init_failure is not None else self._nvml
 
     def _read_device(self, nvml: Any, index: int) -> DeviceReading:
@@ -153,20 +159,11 @@ class GpuProbe:
         mismatch); the probe then reads version 1 for the rest of its life. Any other error
         is a failed read, as before."""
         version = getattr(nvml, "nvmlMemory_v2", None)
-        if self._memory_v2 is not False and version is not None:
-            absent = tuple(
-                err for err in (getattr(nvml, name, None) for name in (
-                    "NVMLError_FunctionNotFound", "NVMLError_NotSupported",
-                    "NVMLError_ArgumentVersionMismatch"))
-                if isinstance(err, type) and issubclass(err, BaseException)
-            )  # fmt: skip
+        if not self._memory_v1_only and version is not None:
             try:
-                mem = nvml.nvmlDeviceGetMemoryInfo(handle, version=version)
-            except absent:
-                self._memory_v2 = False
-            else:
-                self._memory_v2 = True
-                return mem
+                return nvml.nvmlDeviceGetMemoryInfo(handle, version=version)
+            except self._v2_absent:
+                self._memory_v1_only = True
         return nvml.nvmlDeviceGetMemoryInfo(handle)
 
 
