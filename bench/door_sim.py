@@ -32,6 +32,8 @@ Usage::
     .venv/bin/python bench/door_sim.py --rate 12.9 --scale 0.95 --shares 1,0.9,0.75 --shares 1,0.9,0.9
     .venv/bin/python bench/door_sim.py --preset issue10 --shares 1,0.9,0.75 --shares 1,0.9,0.9 \\
         --shares 1,1,1 --json bench/results/door_sim_shares.json
+    .venv/bin/python bench/door_sim.py --rate 7 --shape knee --noise 0.2 --calm-s 60 --seeds 16 \\
+        --shares 1,0.8,0.6 --ramp-growth 0 --ramp-growth 2
 """
 
 from __future__ import annotations
@@ -77,11 +79,12 @@ class Setting:
     shares: tuple[float, float, float] = (1.0, 0.9, 0.75)
     reserve_quantile: float = 0.99
     critical_wait_share: float = 0.1
+    ramp_growth: float = AdmissionConfig.model_fields["ramp_growth"].default
 
     @property
     def label(self) -> str:
         return (f"shares {'/'.join(f'{s:g}' for s in self.shares)}, reserve {self.reserve_quantile:g}, "
-                f"wait {self.critical_wait_share:g}")
+                f"wait {self.critical_wait_share:g}, ramp {self.ramp_growth:g}")
 
 
 def simulate(setting: Setting, rate: float, seed: int, scale: float = 1.0, shape: str = "concave",
@@ -91,7 +94,8 @@ def simulate(setting: Setting, rate: float, seed: int, scale: float = 1.0, shape
     """One seeded run; counts per class (offered, refused, late, on time) and the door's in flight."""
     slo = SloConfig(e2e_p99_ms=slo_ms, class_share=dict(zip((c.value for c in CLASSES), setting.shares)))
     ctl = AdmissionController(slo, AdmissionConfig(overhead_ms=100, reserve_quantile=setting.reserve_quantile,
-                                                   critical_wait_share=setting.critical_wait_share), slots=BATCH)
+                                                   critical_wait_share=setting.critical_wait_share,
+                                                   ramp_growth=setting.ramp_growth), slots=BATCH)
     rng, share, t, speed = random.Random(seed), ShareClock(), 0.0, 1.0
 
     def latency(n: float) -> float:
@@ -187,28 +191,37 @@ PRESETS["issue10"] = [row for day in DAYS for row in PRESETS[day] if not row[0].
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), help="scenarios instead of --rate/--scale")
-    ap.add_argument("--rate", type=float, default=12.93, help="arrivals per second")
+    ap.add_argument("--rate", type=float, action="append", default=None,
+                    help="arrivals per second (repeat for several; default 12.93)")
     ap.add_argument("--scale", type=float, default=0.95, help="engine latency multiplier")
     ap.add_argument("--shape", default="concave", choices=SHAPES, help="where a preset day sets none")
     ap.add_argument("--shares", action="append", default=None,
                     help="class_share critical,standard,sheddable (repeat to compare; default 1,0.9,0.75)")
     ap.add_argument("--reserve-quantile", type=float, action="append", default=None)
+    ap.add_argument("--ramp-growth", type=float, action="append", default=None,
+                    help="admission.ramp_growth (repeat to compare; 0: no ramp)")
+    ap.add_argument("--calm-s", type=float, default=30.0, help="one request at a time before the load")
     ap.add_argument("--seeds", type=int, default=8)
     ap.add_argument("--noise", type=float, default=0.1)
     ap.add_argument("--drift", type=float, default=0.03)
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args(argv)
-    settings = [Setting(shares=tuple(float(x) for x in s.split(",")), reserve_quantile=q)  # type: ignore[arg-type]
-                for s in (args.shares or ["1,0.9,0.75"]) for q in (args.reserve_quantile or [0.99])]
+    default_ramp = Setting().ramp_growth
+    settings = [Setting(shares=tuple(float(x) for x in s.split(",")), reserve_quantile=q,  # type: ignore[arg-type]
+                        ramp_growth=g)
+                for s in (args.shares or ["1,0.9,0.75"]) for q in (args.reserve_quantile or [0.99])
+                for g in (args.ramp_growth or [default_ramp])]
     for s in settings:
         if len(s.shares) != 3:
             ap.error(f"--shares: need three values critical,standard,sheddable, got {s.shares}")
-    scenarios = PRESETS[args.preset] if args.preset else [(f"{args.rate:g} req/s", args.rate, args.scale, None)]
+    scenarios = (PRESETS[args.preset] if args.preset else
+                 [(f"{rate:g} req/s", rate, args.scale, None) for rate in (args.rate or [12.93])])
     results = []
     for name, rate, scale, shape in scenarios:
         shape = shape or args.shape
         for s in settings:
-            runs = [simulate(s, rate, seed, scale=scale, shape=shape, noise=args.noise, drift=args.drift)
+            runs = [simulate(s, rate, seed, scale=scale, shape=shape, noise=args.noise, drift=args.drift,
+                             calm_s=args.calm_s)
                     for seed in range(1, args.seeds + 1)]
             row = {"scenario": name, "rate": rate, "scale": scale, "shape": shape, "setting": s.label,
                    **summarize(runs)}
@@ -219,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"shed {row['shed']}  in flight {row['in_flight_median']:g}")
     if args.json:
         meta = {"command": "bench/door_sim.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                "seeds": args.seeds, "noise": args.noise, "drift": args.drift, "model": "see bench/door_sim.py",
+                "seeds": args.seeds, "noise": args.noise, "drift": args.drift, "calm_s": args.calm_s,
+                "model": "see bench/door_sim.py",
                 "days": {day: note for day, (note, _, _, _) in DAYS.items()}}
         args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
     return 0

@@ -353,6 +353,13 @@ class AdmissionConfig(_Strict):
         "leave room for its latency's tail "
         "(0: no reservation of either kind)",
     )
+    ramp_growth: float = Field(
+        default=2.0, ge=0.0, le=100.0, allow_inf_nan=False,
+        description="while critical work arrives, the classes below it are admitted to at most this "
+        "many times the highest concurrency a served request was measured at in the last 10 s (at "
+        "least 4): slow start into load the latency model has not measured lately "
+        "(0: no such limit; nor with reserve_quantile 0)",
+    )
     critical_wait_share: float = Field(
         default=0.1, ge=0.0, le=0.5, allow_inf_nan=False,
         description="a critical request that finds the door full waits for a freed slot for up to "

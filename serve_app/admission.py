@@ -359,6 +359,9 @@ class AdmissionGate:
         elif d.limited_by == "shut_out":
             why = (f"{klass} requests are shed while more important work alone arrives as fast as the "
                    "service completes requests")
+        elif d.limited_by == "ramp":
+            why = (f"{klass} requests are admitted up to twice the load the service was measured at "
+                   "lately while it ramps up, keeping room for critical work")
         else:
             why = f"{klass} requests are being shed to keep room for more important work within its latency objective"
         message = (f"{why} ({self.in_flight} requests ahead, {klass} admitted below {d.max_admitted}; "
@@ -420,6 +423,10 @@ class AdmissionGate:
             "tail_limit": None if ctl is None else ctl.tail_limit,
             # whether it holds them now: critical work arrives and all classes keep the door at it
             "tail_holds": None if ctl is None else ctl.tail_holds(now),
+            # the highest concurrency served requests were measured at in the last 10 s, and the
+            # limit it sets the classes below critical while critical work arrives (`ramp_limit`)
+            "measured_reach": None if ctl is None else ctl.measured_reach(now),
+            "ramp_limit": None if ctl is None else ctl.ramp_limit(now),
             "admitted": dict(self.admitted),
             "refused": {f"{c}:{r}": n for (c, r), n in sorted(self.refused.items())},
         }

@@ -34,7 +34,10 @@ SLO = SloConfig(e2e_p99_ms=2100)
 # the reservation has its own tests (RESERVING).
 SETTINGS = AdmissionConfig(overhead_ms=100, prior_rate_per_s=10, min_retry_after_s=1, max_retry_after_s=30,
                            reserve_quantile=0.0)
-RESERVING = SETTINGS.model_copy(update={"reserve_quantile": 0.99, "reserve_window_s": 10.0})
+# Without the ramp (`AdmissionController.ramp_limit`, its own tests: RAMPING), which with nothing
+# served yet holds the classes below critical to 4 in flight while critical work arrives.
+RESERVING = SETTINGS.model_copy(update={"reserve_quantile": 0.99, "reserve_window_s": 10.0, "ramp_growth": 0.0})
+RAMPING = RESERVING.model_copy(update={"ramp_growth": 2.0})
 
 
 def controller(slo: SloConfig = SLO, settings_: AdmissionConfig = SETTINGS, slots: int = 8) -> AdmissionController:
@@ -431,7 +434,9 @@ def test_under_overload_the_door_settles_where_the_engine_holds_the_slo_not_belo
     engine serves within the shares (this simulation of that run: 4 in flight, 3.3 req/s with
     the anchored line). Sheddable is still shed first, critical barely at all."""
     slo = SloConfig(e2e_p99_ms=2000, class_share={"critical": 1.0, "standard": 0.9, "sheddable": 0.9})
-    ctl = AdmissionController(slo, AdmissionConfig(overhead_ms=100), slots=16)
+    # the line's fit alone: the ramp (`ramp_limit`) starts the door low, where this engine's
+    # curve is steep, and in this model the door then took longer to climb (below)
+    ctl = AdmissionController(slo, AdmissionConfig(overhead_ms=100, ramp_growth=0.0), slots=16)
     run = overload_at_the_door(ctl, rate=17.7, seconds=60.0, seed=seed)
     best = max(n for n in range(1, 40) if concave(n) <= 0.9 * 1.9)  # standard's share: 16
     capacity = 16 / concave(16)  # 9.5 req/s
@@ -1327,3 +1332,54 @@ def test_within_the_tail_limit_standard_keeps_room_from_sheddable_where_their_sh
     _offer(ctl, {C: refill / 2, S: refill / 2, D: 1.5 * refill}, 60.0, start=30.0)
     assert ctl.class_cap(S, 60.0) == ctl.tail_limit
     assert ctl.class_cap(D, 60.0) < ctl.class_cap(S, 60.0)
+
+
+def test_the_ramp_holds_the_classes_below_critical_to_twice_the_concurrency_measured_lately() -> None:
+    """Slow start into concurrency the latency model has not measured lately (`ramp_limit`):
+    while critical work arrives, standard and sheddable work are admitted to at most twice the
+    highest concurrency a served request ran at within the last `RAMP_WINDOW_S` (at least
+    `RAMP_MIN`); critical work is never held to it; each completion higher up opens the next
+    step; a lull as long as the window starts it again."""
+    from policies.admission import RAMP_MIN, RAMP_WINDOW_S
+
+    ctl = controller(settings_=RAMPING, slots=16)
+    assert ctl.ramp_limit(0.0) is None and ctl.class_cap(S, 0.0) == 16  # no critical work: no ramp
+    ctl.decide(C, 0, 0.0)
+    assert ctl.measured_reach(0.0) == 0 and ctl.ramp_limit(0.0) == RAMP_MIN == ctl.class_cap(S, 0.0)
+    for k in range(4):  # served at 3 in flight: 0.6 s of latency, 0.2 s of it its own share
+        ctl.observe_completion(1.0 + 0.1 * k, 0.6, 0.2)
+    at = 1.5
+    assert ctl.measured_reach(at) == 3 and ctl.ramp_limit(at) == 6
+    assert ctl.class_cap(S, at) == 6 < ctl.max_admitted(S) and ctl.class_cap(D, at) <= 6
+    refused = ctl.decide(S, 6, at)
+    assert not refused.admitted and refused.status == 429 and refused.limited_by == "ramp"
+    assert refused.retry_after_s >= 1
+    assert ctl.decide(S, 5, at).admitted
+    assert ctl.decide(C, 6, at).admitted  # critical work goes past it
+    ctl.observe_completion(2.0, 1.4, 0.2)  # one served at 7 in flight
+    assert ctl.ramp_limit(2.0) == 14
+    later = 2.0 + RAMP_WINDOW_S + 0.5
+    ctl.decide(C, 0, later)
+    assert ctl.measured_reach(later) == 0 and ctl.ramp_limit(later) == RAMP_MIN  # a lull: start again
+    assert controller(settings_=RESERVING).ramp_limit(later) is None  # ramp_growth 0: none
+    off = controller(settings_=RAMPING.model_copy(update={"reserve_quantile": 0.0}))
+    off.decide(C, 0, 0.0)
+    assert off.ramp_limit(0.0) is None  # no room kept for critical work at all: nor this
+
+
+def test_in_a_knee_shaped_engine_the_ramp_keeps_critical_work_within_the_slo() -> None:
+    """The door's model (`bench/door_sim.py`) of the 2-core EPYC, whose latency grows by 0.11 s per
+    request to 9 in flight and 0.41 s past it, at 7 req/s after a calm, 20% noise, eight seeds
+    pooled: from a calm the door admitted standard and sheddable work up to the caps its line
+    extrapolated (13-14 in flight in the first seconds) and critical requests ran late; with the
+    ramp, fewer are late, and no fewer requests are served within the SLO."""
+    from bench import door_sim
+
+    def pooled(growth: float) -> dict:
+        setting = door_sim.Setting(shares=(1.0, 0.8, 0.6), ramp_growth=growth)
+        return door_sim.summarize([door_sim.simulate(setting, 7.0, seed, shape="knee", noise=0.2, calm_s=60.0)
+                                   for seed in range(1, 9)])
+
+    without, ramp = pooled(0.0), pooled(2.0)
+    assert ramp["critical_late"] < without["critical_late"]
+    assert ramp["goodput_rps"] >= without["goodput_rps"]

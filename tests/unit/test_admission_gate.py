@@ -15,8 +15,10 @@ from tests.fakes.clock import FakeClock
 
 LEVEL = {"trigger": {"queue_length": 4}}
 SLO_POLICY = {"level1": LEVEL, "slo": {"e2e_p99_ms": 2000},
-              # 10 requests/s, 1.9 s budget: critical cap 19, standard 15, sheddable 11
-              "admission": {"prior_rate_per_s": 10, "overhead_ms": 100}}
+              # 10 requests/s, 1.9 s budget: critical cap 19, standard 15, sheddable 11; without the
+              # ramp, which with nothing served yet holds the classes below critical to 4 while
+              # critical work arrives (its own tests below)
+              "admission": {"prior_rate_per_s": 10, "overhead_ms": 100, "ramp_growth": 0}}
 
 
 def gate(policy: dict = SLO_POLICY, refusals: list | None = None) -> AdmissionGate:
@@ -524,3 +526,22 @@ def test_the_state_shows_the_latency_tail_and_the_limit_it_sets() -> None:
     assert ctl.tail_factor > 1.0 and ctl.tail_limit is not None
     assert g.state()["latency_tail"] == round(ctl.tail_factor, 3) and g.state()["tail_limit"] == ctl.tail_limit
     assert g.state()["tail_holds"] is False  # no critical work arrives
+
+
+def test_the_ramp_refusal_names_itself_and_the_state_shows_it() -> None:
+    clock = FakeClock()
+    g = AdmissionGate(max_num_seqs=16, clock=clock)
+    g.configure(parse_policy({**SLO_POLICY, "admission": {**SLO_POLICY["admission"], "ramp_growth": 2}}))
+    assert g.state()["ramp_limit"] is None  # no critical work has arrived
+    tickets = fill(g, 4)  # critical work arrives; nothing served yet
+    assert g.state()["measured_reach"] == 0 and g.state()["ramp_limit"] == 4
+    with pytest.raises(RequestError) as err:
+        g.admit("standard")
+    assert err.value.status == 429 and err.value.message.startswith(
+        "standard requests are admitted up to twice the load the service was measured at lately"), err.value.message
+    assert g.refused == {("standard", "class_share_exhausted"): 1}
+    clock.advance(0.8)
+    for t in tickets:  # served together: four in flight over their lives
+        g.release(t, served=True)
+    assert g.state()["measured_reach"] == 4 and g.state()["ramp_limit"] == 8
+    assert [g.admit("standard") for _ in range(8)] and g.in_flight == 8
