@@ -557,7 +557,7 @@ async def _one(client: Any, url: str, body: dict[str, Any], headers: dict[str, s
 # what each poll keeps of the ingress's admission state (``/admin/brownout``'s ``ingress.admission``)
 ADMISSION_POLLED = ("in_flight", "waiting", "queued", "class_cap", "reserved", "rate_per_s", "base_latency_s",
                     "per_request_s", "latency_floor_s", "wait_smoothing_s", "caps_held_s", "level_models_replaced",
-                    "latency_tail", "tail_limit", "tail_holds", "refused")
+                    "latency_tail", "tail_limit", "tail_holds", "measured_reach", "ramp_limit", "refused")
 
 
 async def _poll_levels(client: Any, admin_url: str, clock: Callable[[], float], out: list[dict[str, Any]],
@@ -583,7 +583,7 @@ async def _poll_levels(client: Any, admin_url: str, clock: Callable[[], float], 
 
 
 async def run_load(base_url: str, model: str, profile: Profile, *, seed: int | None = None,
-                   arrivals: Sequence[Arrival] | None = None,
+                   prompt_seed: int | None = None, arrivals: Sequence[Arrival] | None = None,
                    max_requests: int | None = None, mix: Sequence[tuple[str, float]] | None = None,
                    max_tokens: int = 16, drain_timeout_s: float = 30.0,
                    stop: Callable[[list[RequestRecord], float, int], bool] | None = None,
@@ -597,6 +597,9 @@ async def run_load(base_url: str, model: str, profile: Profile, *, seed: int | N
     (None: no bar). ``transport``: an httpx transport (tests pass ``httpx.MockTransport``).
     ``arrivals``: send these instead of drawing a schedule from ``profile`` (a calibration
     trace); prompts still come from ``seed``, so they are new unless the seed is fixed.
+    ``prompt_seed``: draw the prompts from this seed instead (runs that share a schedule, and so
+    a ``seed``, must not share prompts: the semantic cache would answer the second run's from the
+    first's).
     """
     import httpx
 
@@ -606,7 +609,8 @@ async def run_load(base_url: str, model: str, profile: Profile, *, seed: int | N
     seed = run_seed() if seed is None else seed
     rng = random.Random(seed)
     arrivals = schedule(profile, rng, max_requests, mix) if arrivals is None else list(arrivals)
-    prompts = [make_prompt(rng) for _ in arrivals]
+    prompt_rng = rng if prompt_seed is None else random.Random(prompt_seed)
+    prompts = [make_prompt(prompt_rng) for _ in arrivals]
     url = base_url.rstrip("/") + "/v1/chat/completions"
     records = [RequestRecord(i, a.at_s, a.criticality) for i, a in enumerate(arrivals)]
     levels: list[dict[str, Any]] = []

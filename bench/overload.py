@@ -61,6 +61,7 @@ import logging
 import math
 import os
 import platform
+import random
 import shutil
 import socket
 import subprocess
@@ -209,6 +210,8 @@ class Plan:
         if unknown:
             raise SystemExit(f"--only: unknown run(s) {unknown}; choose from {list(RUNS)}")
         self._runs_per_label: dict[str, int] = {}  # `next_seed`
+        # `schedule_seed`'s base: shared schedules are shared within one benchmark even without --seed
+        self._schedule_base = self.seed if self.seed is not None else random.SystemRandom().randrange(2**32)
 
     def size_runs(self, c0: float) -> float:
         """Set (and return) the fixed-rate runs' length for this C0: `sized_run_s`, unless
@@ -228,6 +231,16 @@ class Plan:
         if self.seed is None:
             return None
         digest = hashlib.sha256(f"{self.seed}\0{label}\0{count}".encode()).digest()
+        return int.from_bytes(digest[:4], "big")
+
+    def schedule_seed(self, schedule: str) -> int | None:
+        """The seed of a schedule that several runs share on purpose: from ``--seed`` (without
+        it, one drawn for this benchmark) and the schedule's name alone (e.g. ``"1.5x #1"``: the load and the
+        repeat), so pinned level 0, pinned level 3, the adaptive policy and the built-in app at
+        the same load send the very same requests at the very same times, and their ratios
+        compare the systems, not two draws of the arrivals (`next_seed` gives every named run
+        its own). Another repeat is another name, so repeats still differ."""
+        digest = hashlib.sha256(f"{self._schedule_base}\0schedule\0{schedule}".encode()).digest()
         return int.from_bytes(digest[:4], "big")
 
 
@@ -470,9 +483,18 @@ def reset_policy(base: str, policy_doc: dict[str, Any], timeout_s: float = 180) 
 
 def run_profile(base: str, profile: Profile, plan: Plan, label: str, *, stop: Any = None,
                 drain_s: float | None = None, mix: Any = "plan", poll: bool = True,
-                max_requests: int | None = None, arrivals: Any = None) -> RunResult:
+                max_requests: int | None = None, arrivals: Any = None, schedule: str | None = None) -> RunResult:
+    """One load run; its seed from ``schedule`` where runs share one (`Plan.schedule_seed`), else
+    from its ``label`` (`Plan.next_seed`). Its prompts always follow its label: runs that share a
+    schedule send other prompts, or the semantic cache (on at level 0) would answer the later
+    run's requests from the earlier's."""
+    seed = label_seed = plan.next_seed(label)
+    prompt_seed = None
+    if schedule is not None:
+        seed, prompt_seed = plan.schedule_seed(schedule), label_seed if label_seed is not None else run_seed()
     return asyncio.run(run_load(
-        base, MODEL, profile, seed=plan.next_seed(label), arrivals=arrivals, mix=plan.mix if mix == "plan" else mix,
+        base, MODEL, profile, seed=seed, prompt_seed=prompt_seed, arrivals=arrivals,
+        mix=plan.mix if mix == "plan" else mix,
         max_requests=max_requests,
         max_tokens=plan.max_tokens, drain_timeout_s=plan.drain_s if drain_s is None else drain_s,
         stop=stop, poll_levels_s=0.5 if poll else None, progress=label if plan.progress else None,
@@ -666,12 +688,15 @@ class Bench:
         self.cpu_placement: dict[str, Any] = {}
 
     def run(self, name: str, system: str, base: str, profile: Profile, brownout: bool, mix: Any = "plan",
-            **extra: Any) -> dict[str, Any]:
+            schedule: str | None = None, **extra: Any) -> dict[str, Any]:
         """One load run (``mix``: the plan's criticality mix, another mix, or None for no header:
-        every request at the benchmark key's tier)."""
+        every request at the benchmark key's tier; ``schedule``: the name of a schedule it shares
+        with the other systems' runs at its load, `Plan.schedule_seed`, kept in its report)."""
         log(f"run {name}: {profile.name}")
         t0, wall0 = time.monotonic(), time.time()
-        result = run_profile(base, profile, self.plan, name, mix=mix)
+        result = run_profile(base, profile, self.plan, name, mix=mix, schedule=schedule)
+        if schedule is not None:
+            extra["schedule"] = schedule
         noise = NOISE.mean(t0, time.monotonic())
         doc = rep.run_report(name, result, self.plan.slo.slo_ms, system=system, other_cpu_cores=noise, **extra)
         if system == "brownout-adaptive":
@@ -974,7 +999,8 @@ def comparison(args: argparse.Namespace) -> int:
             if "pinned0" in plan.runs:
                 for tag, rate in loads.items():
                     bench.timed(f"pinned0_{tag}", lambda tag=tag, rate=rate: bench.run(
-                        f"pinned0 @{tag}", "brownout-level0", base, constant(rate, plan.run_s), True, load=tag))
+                        f"pinned0 @{tag}", "brownout-level0", base, constant(rate, plan.run_s), True,
+                        schedule=f"{tag} #1", load=tag))
             if not args.no_vllm_bench:
                 # about 30 s (quick) or 60 s of load at half of C0, 8 to 40 prompts
                 prompts = max(8, min(40, round(0.5 * c0 * (30 if plan.quick else 60))))
@@ -989,11 +1015,13 @@ def comparison(args: argparse.Namespace) -> int:
                 if "pinned3" in plan.runs:
                     for tag, rate in loads.items():
                         bench.timed(f"pinned3_{tag}", lambda tag=tag, rate=rate: bench.run(
-                            f"pinned3 @{tag}", "brownout-level3", base, constant(rate, plan.run_s), True, load=tag))
+                            f"pinned3 @{tag}", "brownout-level3", base, constant(rate, plan.run_s), True,
+                        schedule=f"{tag} #1", load=tag))
             if c3 is not None and "C3" not in bench.capacity:
                 bench.capacity["C3"] = {"capacity_rps": c3, "given": True}
             if "adaptive" in plan.runs:
-                adaptive = [(f"adaptive @{tag}", constant(rate, plan.run_s), {"load": tag}) for tag, rate in loads.items()]
+                adaptive = [(f"adaptive @{tag}", constant(rate, plan.run_s), {"load": tag, "schedule": f"{tag} #1"})
+                            for tag, rate in loads.items()]
                 if plan.mix:  # issue 10 names the mix for one 3x item only: 1.5x also with one class
                     adaptive.insert(1, one_class_run(loads["1.5x"], plan))
                 adaptive.append(("adaptive step", step(c0, plan.step_low_s, plan.step_high_s), {"load": "step"}))
@@ -1006,8 +1034,8 @@ def comparison(args: argparse.Namespace) -> int:
                     if args.c3 is None:
                         set_admission(base, policy_doc, enabled=False)
                         calibrate_c3(bench, base, plan, c0, suffix=f" #{k}")
-                    todo = [(f"adaptive @{tag} #{k}", constant(rate, plan.run_s), {"load": tag, "repeat": k})
-                            for tag, rate in loads.items()]
+                    todo = [(f"adaptive @{tag} #{k}", constant(rate, plan.run_s),
+                             {"load": tag, "repeat": k, "schedule": f"{tag} #{k}"}) for tag, rate in loads.items()]
                     if plan.mix:
                         todo.insert(1, one_class_run(loads["1.5x"], plan, k))
                     run_adaptive(bench, base, policy_doc, todo)
@@ -1027,7 +1055,8 @@ def comparison(args: argparse.Namespace) -> int:
             plan.size_runs(c0)
             for tag, rate in {"1.5x": 1.5 * c0, "3x": 3.0 * c0}.items():
                 bench.timed(f"builtin_{tag}", lambda tag=tag, rate=rate: bench.run(
-                    f"builtin @{tag}", "ray-serve-llm", base, constant(rate, plan.run_s), False, load=tag))
+                    f"builtin @{tag}", "ray-serve-llm", base, constant(rate, plan.run_s), False,
+                    schedule=f"{tag} #1", load=tag))
     except Exception as err:  # noqa: BLE001 - keep what was measured; the report says what failed
         failed = f"{type(err).__name__}: {err}"
         log(f"FAILED: {failed}")

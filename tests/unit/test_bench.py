@@ -447,7 +447,7 @@ def test_run_load_records_every_request_against_a_fake_server() -> None:
                                              "per_request_s": None, "latency_floor_s": None, "wait_smoothing_s": None,
                                              "caps_held_s": None, "level_models_replaced": None,
                                              "latency_tail": None, "tail_limit": None, "tail_holds": None,
-                                             "refused": None}
+                                             "measured_reach": None, "ramp_limit": None, "refused": None}
     doc = rep.run_report("fake", result, 2000.0)
     assert doc["admission"] and doc["admission"][0]["class_cap"] == {"critical": 5} and "t_s" in doc["admission"][0]
     for r, req in zip(result.records, chats, strict=True):
@@ -772,6 +772,68 @@ def test_a_runs_seed_follows_its_name_not_the_probes_before_it() -> None:
     assert short.next_seed("adaptive @3x") != first  # the same label again: a new schedule
     assert short.next_seed("adaptive @3x #2") not in (None, first)
     assert plan(None).next_seed("adaptive @3x") is None
+
+
+def test_runs_of_different_systems_at_one_load_share_its_schedule() -> None:
+    """Pinned level 0 and the adaptive policy at 1.5 x are compared by their p99s: they get the
+    same requests at the same times (the schedule's seed follows the load and the repeat, not the
+    run's name or what ran before), with ``--seed`` and without it; repeats and loads differ."""
+    import argparse
+
+    from bench import overload
+
+    def plan(seed: int | None) -> overload.Plan:
+        return overload.Plan(argparse.Namespace(quick=False, slo_ms=2000.0, run_s=None, drain_s=None, bisect=None,
+                                                max_tokens=16, mix=None, no_mix=False, seed=seed,
+                                                no_progress=True, only=None))
+
+    for p in (plan(207), plan(None)):
+        pinned = p.schedule_seed("1.5x #1")
+        p.next_seed("adaptive @3x")  # other runs in between change nothing
+        assert p.schedule_seed("1.5x #1") == pinned is not None
+        assert len({pinned, p.schedule_seed("1.5x #2"), p.schedule_seed("3x #1")}) == 3
+    assert plan(207).schedule_seed("1.5x #1") == plan(207).schedule_seed("1.5x #1") != plan(208).schedule_seed("1.5x #1")
+    assert plan(None).schedule_seed("1.5x #1") != plan(None).schedule_seed("1.5x #1")  # drawn per benchmark
+
+
+def test_the_benchmark_passes_each_systems_run_at_a_load_the_same_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from bench import overload
+
+    plan = overload.Plan(argparse.Namespace(quick=True, slo_ms=2000.0, run_s=None, drain_s=None, bisect=None,
+                                            max_tokens=16, mix=None, no_mix=True, seed=207, no_progress=True,
+                                            only=None))
+    prompts: list[int | None] = []
+
+    async def load(base: str, model: str, profile: object, seed: int | None = None, **kw: object) -> RunResult:
+        prompts.append(kw.get("prompt_seed"))  # type: ignore[arg-type]
+        return RunResult(constant(1.0, 1.0), [rec(0, 0.0, 1.0)], [], 0.0, seed)
+
+    monkeypatch.setattr(overload, "run_load", load)
+    got = [overload.run_profile("http://127.0.0.1:1", constant(1.0, 1.0), plan, name, schedule=sched).seed
+           for name, sched in (("pinned0 @1.5x", "1.5x #1"), ("adaptive @1.5x", "1.5x #1"),
+                               ("adaptive @1.5x #2", "1.5x #2"), ("step", None))]
+    assert got[0] == got[1] == plan.schedule_seed("1.5x #1")
+    assert got[2] != got[0] and got[3] not in (None, got[0], got[2])
+    # but never the same prompts: the semantic cache (on at level 0) would answer the second run
+    assert None not in prompts[:3] and len(set(prompts[:3])) == 3 and prompts[3] is None
+
+
+def test_a_prompt_seed_changes_the_prompts_not_the_schedule() -> None:
+    seen: dict[int, list[httpx.Request]] = {1: [], 2: []}
+    times = []
+    for prompt_seed in (1, 2):
+        result = asyncio.run(run_load("http://127.0.0.1:9", "m", constant(20.0, 0.5), seed=5, prompt_seed=prompt_seed,
+                                      max_tokens=4, poll_levels_s=None,
+                                      transport=httpx.MockTransport(sse_handler(seen[prompt_seed]))))
+        assert result.seed == 5
+        times.append([r.scheduled_s for r in result.records])
+    assert times[0] == times[1]  # the same schedule
+    one, two = ([r for r in seen[k] if r.url.path == "/v1/chat/completions"] for k in (1, 2))
+    assert len(one) == len(two) > 3
+    bodies = [[json.loads(r.content)["messages"] for r in reqs] for reqs in (one, two)]
+    assert all(a != b for a, b in zip(*bodies))
 
 
 def test_warm_up_reports_what_the_requests_not_answered_200_got(monkeypatch: pytest.MonkeyPatch) -> None:
