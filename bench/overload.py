@@ -233,10 +233,10 @@ class Plan:
         digest = hashlib.sha256(f"{self.seed}\0{label}\0{count}".encode()).digest()
         return int.from_bytes(digest[:4], "big")
 
-    def schedule_seed(self, schedule: str) -> int | None:
+    def schedule_seed(self, schedule: str) -> int:
         """The seed of a schedule that several runs share on purpose: from ``--seed`` (without
-        it, one drawn for this benchmark) and the schedule's name alone (e.g. ``"1.5x #1"``: the load and the
-        repeat), so pinned level 0, pinned level 3, the adaptive policy and the built-in app at
+        it, one drawn for this benchmark) and the schedule's name alone (e.g. ``"1.5x #1"``: the
+        load and the repeat), so pinned level 0, pinned level 3, the adaptive policy and the built-in app at
         the same load send the very same requests at the very same times, and their ratios
         compare the systems, not two draws of the arrivals (`next_seed` gives every named run
         its own). Another repeat is another name, so repeats still differ."""
@@ -1016,7 +1016,7 @@ def comparison(args: argparse.Namespace) -> int:
                     for tag, rate in loads.items():
                         bench.timed(f"pinned3_{tag}", lambda tag=tag, rate=rate: bench.run(
                             f"pinned3 @{tag}", "brownout-level3", base, constant(rate, plan.run_s), True,
-                        schedule=f"{tag} #1", load=tag))
+                            schedule=f"{tag} #1", load=tag))
             if c3 is not None and "C3" not in bench.capacity:
                 bench.capacity["C3"] = {"capacity_rps": c3, "given": True}
             if "adaptive" in plan.runs:

@@ -628,10 +628,10 @@ MAD_TO_SD = 1.4826  # a normal's standard deviation over its median absolute dev
 # While critical work arrives, the classes below it are admitted to at most admission.ramp_growth
 # times the highest concurrency a served request was measured at within RAMP_WINDOW_S, and at
 # least to RAMP_MIN (`AdmissionController.ramp_limit`): slow start into concurrency the latency
-# model has not measured lately. 10 s: a few latencies, so the limit follows a run of load that lasts, and a
-# lull of that long starts the ramp again; 4: a door at one or two in flight admits a clump of a
-# few without refusing it (in the door's model at 2.5 req/s, a floor of 2 cost 2 points of
-# requests within the SLO, 4 cost 0.6).
+# model has not measured lately. 10 s: a few latencies, so the limit follows a run of load that
+# lasts, and a lull of that long starts the ramp again; 4: a door at one or two in flight admits
+# a clump of a few without refusing it (in the door's model at 2.5 req/s, with an earlier variant
+# of the rule, a floor of 2 cost 2.0 points of the requests within the SLO, 4 cost 1.2).
 RAMP_MIN = 4
 RAMP_WINDOW_S = 10.0
 
@@ -1195,9 +1195,8 @@ class AdmissionController:
         over three repeats, against 297 of 308; in the first repeat, where C3 measured the same
         (3.03 and 3.04 req/s), 89 of 94 against 87, and goodput 1.06 x C3 against 0.84 (the
         machine was faster in the later repeats of this run: C3 3.41 and 2.98 against 2.49 and
-        1.86). In
-        the door's model (`bench/door_sim.py`, 16 seeds, 60 s of calm first, 20% noise) of the
-        2-core EPYC's curve (0.11 s per request to 9 in flight, 0.41 s past it): at 7 req/s
+        1.86); on another seed, 328 of 332. In the door's model (`bench/door_sim.py`, 16 seeds,
+        60 s of calm first, 20% noise) of the 2-core EPYC's curve (0.11 s per request to 9 in flight, 0.41 s past it): at 7 req/s
         critical work 97.6 -> 99.3% within, goodput 3.81 -> 3.95/s; at 2.5-5 req/s within
         -1.1 to +0.6 points. Its cost is on a curve steep at first and flat above (``concave``):
         held low at first, the door fits its line where the curve is steep and takes longer to
