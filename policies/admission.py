@@ -260,7 +260,7 @@ class Decision:
     # when refused, the first limit that refuses it alone: "saturated" (even critical's cap is
     # reached), "share" (the class's own share of the latency budget, ``slo.class_share``),
     # "shut_out" (the classes above alone arrive as fast as the server completes requests),
-    # "ramp" (past twice the concurrency measured lately, `AdmissionController.ramp_limit`) or
+    # "ramp" (past ``admission.ramp_growth`` times the concurrency measured lately, `ramp_limit`) or
     # "reserve" (room kept for the classes above, `reserved_limits`)
     limited_by: Limit | None = None
 
@@ -1169,7 +1169,9 @@ class AdmissionController:
 
     def measured_reach(self, now: float) -> int:
         """The highest concurrency (``round(m)`` of `ServiceModel.concurrency`, at any level) at
-        which a served request completed within the last `RAMP_WINDOW_S` of ``now``; 0 where none."""
+        which a served request completed within the last `RAMP_WINDOW_S` of ``now``; 0 where none.
+        Not the level model's `ServiceModel.fresh_reach`: that one starts empty at each level
+        change (the engine ran there all the same) and looks back `ServiceModel.FLOOR_FRESH_S`."""
         return max((k for k, at in self._reach.items() if 0.0 <= now - at <= RAMP_WINDOW_S), default=0)
 
     def ramp_limit(self, now: float) -> int | None:
@@ -1196,9 +1198,9 @@ class AdmissionController:
         (3.03 and 3.04 req/s), 89 of 94 against 87, and goodput 1.06 x C3 against 0.84 (the
         machine was faster in the later repeats of this run: C3 3.41 and 2.98 against 2.49 and
         1.86); on another seed, 328 of 332. In the door's model (`bench/door_sim.py`, 16 seeds,
-        60 s of calm first, 20% noise) of the 2-core EPYC's curve (0.11 s per request to 9 in flight, 0.41 s past it): at 7 req/s
-        critical work 97.6 -> 99.3% within, goodput 3.81 -> 3.95/s; at 2.5-5 req/s within
-        -1.1 to +0.6 points. Its cost is on a curve steep at first and flat above (``concave``):
+        60 s of calm first, 20% noise) of the 2-core EPYC's curve (0.11 s per request to 9 in
+        flight, 0.41 s past it): at 7 req/s critical work 97.6 -> 99.3% within, goodput 3.81 ->
+        3.95/s; at 2.5-5 req/s within -1.1 to +0.6 points. Its cost is on a curve steep at first and flat above (``concave``):
         held low at first, the door fits its line where the curve is steep and takes longer to
         climb: at 7 req/s goodput 2.22 -> 2.13/s there, and in the test's model of a 3 x overload
         on it (`tests/unit/test_admission.py`, 17.7 req/s) 8.11 -> 7.92/s over 20 seeds."""

@@ -359,8 +359,10 @@ class AdmissionGate:
         elif d.limited_by == "shut_out":
             why = (f"{klass} requests are shed while more important work alone arrives as fast as the "
                    "service completes requests")
-        elif d.limited_by == "ramp":
-            why = (f"{klass} requests are admitted up to twice the load the service was measured at "
+        elif d.limited_by == "ramp" and self.controller is not None:
+            growth = self.controller.settings.ramp_growth
+            times = "twice" if growth == 2 else f"{growth:g} times"
+            why = (f"{klass} requests are admitted up to {times} the load the service was measured at "
                    "lately while it ramps up, keeping room for critical work")
         else:
             why = f"{klass} requests are being shed to keep room for more important work within its latency objective"

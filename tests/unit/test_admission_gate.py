@@ -545,3 +545,13 @@ def test_the_ramp_refusal_names_itself_and_the_state_shows_it() -> None:
         g.release(t, served=True)
     assert g.state()["measured_reach"] == 4 and g.state()["ramp_limit"] == 8
     assert [g.admit("standard") for _ in range(8)] and g.in_flight == 8
+
+
+def test_the_ramp_refusal_says_the_configured_growth() -> None:
+    g = AdmissionGate(max_num_seqs=16, clock=FakeClock())
+    g.configure(parse_policy({**SLO_POLICY, "admission": {**SLO_POLICY["admission"], "ramp_growth": 3}}))
+    fill(g, 4)  # critical work arrives; nothing served yet: the floor of 4
+    with pytest.raises(RequestError) as err:
+        g.admit("standard")
+    assert err.value.message.startswith(
+        "standard requests are admitted up to 3 times the load the service was measured at lately"), err.value.message

@@ -7,6 +7,7 @@ import asyncio
 import json
 import random
 import re
+from typing import Any
 
 import httpx
 import pytest
@@ -748,62 +749,53 @@ def test_fixed_runs_are_long_enough_to_judge_a_share_of_critical_requests() -> N
     assert plan(quick=True).size_runs(1.26) == 15.0
 
 
-def test_a_runs_seed_follows_its_name_not_the_probes_before_it() -> None:
-    """With ``--seed`` a named run's schedule is the same whatever the calibration before it
-    took; another ``--seed`` gives it another one; a label run again gets a new one (new
-    prompts per probe); without ``--seed`` every run is fresh (None)."""
+def seeded_plan(seed: int | None, quick: bool = False, no_mix: bool = False) -> Any:
+    """The overload benchmark's `Plan` with ``--seed`` (None: none), as its command line makes it."""
     import argparse
 
     from bench import overload
 
-    def plan(seed: int | None) -> overload.Plan:
-        return overload.Plan(argparse.Namespace(quick=False, slo_ms=2000.0, run_s=None, drain_s=None, bisect=None,
-                                                max_tokens=16, mix=None, no_mix=False, seed=seed,
-                                                no_progress=True, only=None))
+    return overload.Plan(argparse.Namespace(quick=quick, slo_ms=2000.0, run_s=None, drain_s=None, bisect=None,
+                                            max_tokens=16, mix=None, no_mix=no_mix, seed=seed,
+                                            no_progress=True, only=None))
 
-    short, long_ = plan(207), plan(207)
+
+def test_a_runs_seed_follows_its_name_not_the_probes_before_it() -> None:
+    """With ``--seed`` a named run's schedule is the same whatever the calibration before it
+    took; another ``--seed`` gives it another one; a label run again gets a new one (new
+    prompts per probe); without ``--seed`` every run is fresh (None)."""
+    short, long_ = seeded_plan(207), seeded_plan(207)
     for rate in (1.0, 2.0):
         short.next_seed(f"C3 (level 3) coarse {rate:.3f}/s")
     for rate in (1.0, 2.0, 1.5, 1.75, 1.6):  # the search took more probes
         long_.next_seed(f"C3 (level 3) coarse {rate:.3f}/s")
     first = short.next_seed("adaptive @3x")
     assert first == long_.next_seed("adaptive @3x") and first is not None
-    assert plan(208).next_seed("adaptive @3x") != first
+    assert seeded_plan(208).next_seed("adaptive @3x") != first
     assert short.next_seed("adaptive @3x") != first  # the same label again: a new schedule
     assert short.next_seed("adaptive @3x #2") not in (None, first)
-    assert plan(None).next_seed("adaptive @3x") is None
+    assert seeded_plan(None).next_seed("adaptive @3x") is None
 
 
 def test_runs_of_different_systems_at_one_load_share_its_schedule() -> None:
     """Pinned level 0 and the adaptive policy at 1.5 x are compared by their p99s: they get the
     same requests at the same times (the schedule's seed follows the load and the repeat, not the
     run's name or what ran before), with ``--seed`` and without it; repeats and loads differ."""
-    import argparse
-
-    from bench import overload
-
-    def plan(seed: int | None) -> overload.Plan:
-        return overload.Plan(argparse.Namespace(quick=False, slo_ms=2000.0, run_s=None, drain_s=None, bisect=None,
-                                                max_tokens=16, mix=None, no_mix=False, seed=seed,
-                                                no_progress=True, only=None))
-
-    for p in (plan(207), plan(None)):
+    for p in (seeded_plan(207), seeded_plan(None)):
         pinned = p.schedule_seed("1.5x #1")
         p.next_seed("adaptive @3x")  # other runs in between change nothing
         assert p.schedule_seed("1.5x #1") == pinned is not None
         assert len({pinned, p.schedule_seed("1.5x #2"), p.schedule_seed("3x #1")}) == 3
-    assert plan(207).schedule_seed("1.5x #1") == plan(207).schedule_seed("1.5x #1") != plan(208).schedule_seed("1.5x #1")
-    assert plan(None).schedule_seed("1.5x #1") != plan(None).schedule_seed("1.5x #1")  # drawn per benchmark
+    assert (seeded_plan(207).schedule_seed("1.5x #1") == seeded_plan(207).schedule_seed("1.5x #1")
+            != seeded_plan(208).schedule_seed("1.5x #1"))
+    drawn = seeded_plan(None), seeded_plan(None)  # without --seed: one base drawn per benchmark
+    assert drawn[0].schedule_seed("1.5x #1") != drawn[1].schedule_seed("1.5x #1")
 
 
 def test_the_benchmark_passes_each_systems_run_at_a_load_the_same_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
-    import argparse
-
     from bench import overload
 
-    plan = overload.Plan(argparse.Namespace(quick=True, slo_ms=2000.0, run_s=None, drain_s=None, bisect=None,
-                                            max_tokens=16, mix=None, no_mix=True, seed=207, no_progress=True,
-                                            only=None))
+    plan = seeded_plan(207, quick=True, no_mix=True)
     prompts: list[int | None] = []
 
     async def load(base: str, model: str, profile: object, seed: int | None = None, **kw: object) -> RunResult:
