@@ -17,6 +17,9 @@ settings at once:
   the CPU runs out), times ``--scale``, queueing past the batch;
 - noise: each request's work is lognormal (``--noise``, the log's standard deviation), and the
   engine's speed drifts as a random walk every 5 s (``--drift``), within 0.75-1.4;
+- a slow phase (``--slow FROM,TO,FACTOR``): the engine ``FACTOR`` times slower from ``FROM``
+  to ``TO`` seconds into the load (a noisy neighbour); the report then adds the share of the
+  requests sent after it that were within the SLO (how fast the door recovers);
 - the gate's critical wait (`serve_app.admission`: a critical request at a full door waits up to
   ``critical_wait_share`` of the SLO for a freed slot, unless critical work alone saturates the
   server: `AdmissionController.saturated_by`); a request is on time when its latency
@@ -34,6 +37,8 @@ Usage::
         --shares 1,1,1 --json bench/results/door_sim_shares.json
     .venv/bin/python bench/door_sim.py --rate 7 --shape knee --noise 0.2 --calm-s 60 --seeds 16 \\
         --shares 1,0.8,0.6 --ramp-growth 0 --ramp-growth 2
+    .venv/bin/python bench/door_sim.py --rate 2.3 --shape knee --noise 0.2 --calm-s 60 --seeds 48 \\
+        --seconds 120 --slow 10,40,3 --shares 1,0.9,0.9
 """
 
 from __future__ import annotations
@@ -90,16 +95,23 @@ class Setting:
 def simulate(setting: Setting, rate: float, seed: int, scale: float = 1.0, shape: str = "concave",
              seconds: float = 60.0, noise: float = 0.1, drift: float = 0.03, slo_ms: float = 2000.0,
              overhead_ms: float = 50.0, mix: tuple[float, float, float] = (0.2, 0.5, 0.3),
-             calm_s: float = 30.0, dt: float = 0.01) -> dict:
-    """One seeded run; counts per class (offered, refused, late, on time) and the door's in flight."""
+             calm_s: float = 30.0, dt: float = 0.01,
+             slow: tuple[float, float, float] | None = None) -> dict:
+    """One seeded run; counts per class (offered, refused, late, on time) and the door's in flight.
+
+    ``slow``: ``(from_s, to_s, factor)``, the engine ``factor`` times slower from ``from_s`` to
+    ``to_s`` into the load (a noisy neighbour); ``after_slow`` then counts the requests sent
+    after it (offered, on time)."""
     slo = SloConfig(e2e_p99_ms=slo_ms, class_share=dict(zip((c.value for c in CLASSES), setting.shares)))
     ctl = AdmissionController(slo, AdmissionConfig(overhead_ms=100, reserve_quantile=setting.reserve_quantile,
                                                    critical_wait_share=setting.critical_wait_share,
                                                    ramp_growth=setting.ramp_growth), slots=BATCH)
     rng, share, t, speed = random.Random(seed), ShareClock(), 0.0, 1.0
 
+    slowed = 1.0
+
     def latency(n: float) -> float:
-        return scale * speed * engine_latency(n, shape)
+        return scale * speed * slowed * engine_latency(n, shape)
 
     while t < calm_s:  # one request at a time
         took = latency(1) * math.exp(rng.gauss(0.0, noise))
@@ -113,12 +125,18 @@ def simulate(setting: Setting, rate: float, seed: int, scale: float = 1.0, shape
     line: list[float] = []  # critical requests waiting at a full door (arrival times)
     counts = {c: {"offered": 0, "refused": 0, "late": 0, "on_time": 0} for c in CLASSES}
     in_flight: list[int] = []
+    after_slow = {"offered": 0, "on_time": 0}
 
     def start_request(arrived: float, klass: Criticality, now: float) -> None:
         running.append([arrived, 0.0, math.exp(rng.gauss(0.0, noise)), share.mark(now, len(running) + 1), klass])
 
+    def after(arrived: float) -> bool:
+        return slow is not None and arrived - start >= slow[1]
+
     while t < end + 3.0 * slo_s:
         t += dt
+        if slow is not None:
+            slowed = slow[2] if slow[0] <= t - start < slow[1] else 1.0
         if t >= next_drift:
             speed = min(1.4, max(0.75, speed * math.exp(rng.gauss(0.0, drift))))
             next_drift = t + 5.0
@@ -128,7 +146,9 @@ def simulate(setting: Setting, rate: float, seed: int, scale: float = 1.0, shape
                 running.remove(r)
                 mark = share.mark(t, len(running))
                 ctl.observe_completion(t, t - r[0], mark - r[3])
-                counts[r[4]]["on_time" if t - r[0] + outside_s <= slo_s else "late"] += 1
+                on_time = t - r[0] + outside_s <= slo_s
+                counts[r[4]]["on_time" if on_time else "late"] += 1
+                after_slow["on_time"] += on_time and after(r[0])
             for r in running:
                 r[1] += step
         while line and len(running) < ctl.class_cap(Criticality.CRITICAL, t):  # a freed slot
@@ -139,6 +159,7 @@ def simulate(setting: Setting, rate: float, seed: int, scale: float = 1.0, shape
         while arrive <= t and arrive < end:
             klass = rng.choices(CLASSES, weights=mix)[0]
             counts[klass]["offered"] += 1
+            after_slow["offered"] += after(arrive)
             if ctl.decide(klass, len(running) + len(line), arrive).admitted:
                 start_request(arrive, klass, arrive)
             elif klass is Criticality.CRITICAL and wait_s > 0 and not ctl.saturated_by(klass, arrive):
@@ -149,7 +170,7 @@ def simulate(setting: Setting, rate: float, seed: int, scale: float = 1.0, shape
         if start <= t < end:
             in_flight.append(len(running))
     return {"counts": {c.value: v for c, v in counts.items()}, "in_flight_median": statistics.median(in_flight),
-            "seconds": seconds}
+            "seconds": seconds, "after_slow": after_slow}
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -168,6 +189,10 @@ def summarize(runs: list[dict]) -> dict:
         "late_share": round(sum(p["late"] for p in pooled.values()) / max(1, offered), 4),
         "shed": {c: round(p["refused"] / max(1, p["offered"]), 3) for c, p in pooled.items()},
         "in_flight_median": statistics.median(r["in_flight_median"] for r in runs),
+        "after_slow_within": round(sum(r["after_slow"]["on_time"] for r in runs)
+                                   / max(1, sum(r["after_slow"]["offered"] for r in runs)), 4),
+        "after_slow_by_seed": [round(r["after_slow"]["on_time"] / max(1, r["after_slow"]["offered"]), 3)
+                               for r in runs],
     }
 
 
@@ -201,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ramp-growth", type=float, action="append", default=None,
                     help="admission.ramp_growth (repeat to compare; 0: no ramp)")
     ap.add_argument("--calm-s", type=float, default=30.0, help="one request at a time before the load")
+    ap.add_argument("--slow", default=None, metavar="FROM,TO,FACTOR",
+                    help="the engine FACTOR times slower from FROM to TO seconds into the load")
+    ap.add_argument("--seconds", type=float, default=60.0, help="seconds of load")
     ap.add_argument("--seeds", type=int, default=8)
     ap.add_argument("--noise", type=float, default=0.1)
     ap.add_argument("--drift", type=float, default=0.03)
@@ -216,12 +244,20 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--shares: need three values critical,standard,sheddable, got {s.shares}")
     scenarios = (PRESETS[args.preset] if args.preset else
                  [(f"{rate:g} req/s", rate, args.scale, None) for rate in (args.rate or [12.93])])
+    slow = None
+    if args.slow:
+        try:
+            slow = tuple(float(x) for x in args.slow.split(","))
+        except ValueError:
+            slow = ()
+        if len(slow) != 3 or not (0 <= slow[0] < slow[1] and slow[2] > 0):
+            ap.error(f"--slow: need FROM,TO,FACTOR with 0 <= FROM < TO and FACTOR > 0, got {args.slow!r}")
     results = []
     for name, rate, scale, shape in scenarios:
         shape = shape or args.shape
         for s in settings:
             runs = [simulate(s, rate, seed, scale=scale, shape=shape, noise=args.noise, drift=args.drift,
-                             calm_s=args.calm_s)
+                             calm_s=args.calm_s, seconds=args.seconds, slow=slow)
                     for seed in range(1, args.seeds + 1)]
             row = {"scenario": name, "rate": rate, "scale": scale, "shape": shape, "setting": s.label,
                    **summarize(runs)}
@@ -229,10 +265,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:>18}  {s.label:42}  goodput {row['goodput_rps']:5.2f}  within {row['within_slo']:.3f}  "
                   f"critical {row['critical_within_slo']:.3f} ({row['critical_refused']} refused, "
                   f"{row['critical_late']} late of {row['critical_offered']})  late {row['late_share']:.3f}  "
-                  f"shed {row['shed']}  in flight {row['in_flight_median']:g}")
+                  f"shed {row['shed']}  in flight {row['in_flight_median']:g}"
+                  + (f"  after the slow phase {row['after_slow_within']:.3f} {row['after_slow_by_seed']}"
+                     if slow else ""))
     if args.json:
         meta = {"command": "bench/door_sim.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                 "seeds": args.seeds, "noise": args.noise, "drift": args.drift, "calm_s": args.calm_s,
+                "seconds": args.seconds, "slow": args.slow,
                 "model": "see bench/door_sim.py",
                 "days": {day: note for day, (note, _, _, _) in DAYS.items()}}
         args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
