@@ -181,6 +181,12 @@ def summarize(runs: list[dict]) -> dict:
     on_time = sum(p["on_time"] for p in pooled.values())
     seconds = sum(r["seconds"] for r in runs)
     crit = pooled["critical"]
+    after = sum(r["after_slow"]["offered"] for r in runs)
+    slowed = {} if not after else {  # a run with a slow phase (`simulate`'s ``slow``)
+        "after_slow_within": round(sum(r["after_slow"]["on_time"] for r in runs) / after, 4),
+        "after_slow_by_seed": [round(r["after_slow"]["on_time"] / max(1, r["after_slow"]["offered"]), 3)
+                               for r in runs],
+    }
     return {
         "goodput_rps": round(on_time / seconds, 3),
         "within_slo": round(on_time / max(1, offered), 4),
@@ -189,10 +195,7 @@ def summarize(runs: list[dict]) -> dict:
         "late_share": round(sum(p["late"] for p in pooled.values()) / max(1, offered), 4),
         "shed": {c: round(p["refused"] / max(1, p["offered"]), 3) for c, p in pooled.items()},
         "in_flight_median": statistics.median(r["in_flight_median"] for r in runs),
-        "after_slow_within": round(sum(r["after_slow"]["on_time"] for r in runs)
-                                   / max(1, sum(r["after_slow"]["offered"] for r in runs)), 4),
-        "after_slow_by_seed": [round(r["after_slow"]["on_time"] / max(1, r["after_slow"]["offered"]), 3)
-                               for r in runs],
+        **slowed,
     }
 
 

@@ -706,6 +706,7 @@ class Bench:
             f"status {o['status_counts']}, max level {o['max_level_seen']}, other processes used {noise} cores")
         self.runs.append(doc)
         self.raw.append({"name": name, "records": [r.to_dict() for r in result.records], "levels": result.levels})
+        self.last_records = result.records
         wait_idle(base, brownout)
         return doc
 
@@ -1396,6 +1397,61 @@ def print_phases(phases: dict[str, float], total_s: float) -> None:
 
 # -- one profile against a running server ------------------------------------------------------
 
+class Neighbour:
+    """A noisy neighbour for one run: ``procs`` busy-looping processes beside the server from
+    ``from_s`` to ``to_s`` seconds after `start` (a tenant taking the cores for a while), ended
+    by their PIDs. How fast the door recovers from such a slow phase is what `single` reports
+    for the requests sent after it."""
+
+    def __init__(self, spec: str) -> None:
+        try:
+            parts = [float(x) for x in spec.split(",")]
+        except ValueError:
+            parts = []
+        if len(parts) not in (2, 3) or not (0 <= parts[0] < parts[1]) or (len(parts) == 3 and not (
+                parts[2] >= 1 and parts[2] == int(parts[2]))):
+            raise SystemExit(f"--neighbour: need FROM,TO[,PROCS] with 0 <= FROM < TO and PROCS a whole number "
+                             f">= 1, got {spec!r}")
+        self.from_s, self.to_s = parts[0], parts[1]
+        self.procs = int(parts[2]) if len(parts) == 3 else (os.cpu_count() or 1)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.ran: list[float] = []  # when the processes started and ended (s after `start`)
+
+    def start(self) -> None:
+        t0 = time.monotonic()
+
+        def run() -> None:
+            if self._stop.wait(self.from_s):
+                return
+            procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(self.procs)]
+            self.ran.append(round(time.monotonic() - t0, 2))
+            try:
+                self._stop.wait(max(0.0, self.to_s - (time.monotonic() - t0)))
+            finally:
+                for p in procs:
+                    p.kill()
+                for p in procs:
+                    p.wait()
+                self.ran.append(round(time.monotonic() - t0, 2))
+
+        self._thread = threading.Thread(target=run, name="neighbour", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def report(self, records: Sequence[Any], slo_ms: float) -> dict[str, Any]:
+        """The neighbour's phase and, for the requests sent after it, the run's figures
+        (`report.summarize`, overall and per class)."""
+        after = [r for r in records if r.sent_s is not None and r.sent_s >= self.to_s]
+        span = max((r.sent_s for r in after), default=self.to_s) - self.to_s
+        return {"from_s": self.from_s, "to_s": self.to_s, "procs": self.procs, "ran_s": self.ran,
+                "after": rep.summarize(after, slo_ms, span), "after_by_class": rep.per_class(after, slo_ms, span)}
+
+
 def single(args: argparse.Namespace) -> int:
     # No noise figure here: the server is not this command's child, so its own CPU would count.
     plan = Plan(args)
@@ -1424,7 +1480,19 @@ def single(args: argparse.Namespace) -> int:
             raise SystemExit("--profile oscillate needs --capacity")
         profile = oscillate(cap, 0.5 * cap, 30.0, args.run_s or 90.0)
     bench = Bench(plan)
-    run = bench.run(args.profile, "url", base, profile, brownout, load=args.profile)
+    neighbour = Neighbour(args.neighbour) if args.neighbour else None
+    if neighbour is not None:
+        neighbour.start()
+    try:
+        run = bench.run(args.profile, "url", base, profile, brownout, load=args.profile)
+    finally:
+        if neighbour is not None:
+            neighbour.stop()
+    if neighbour is not None:
+        run["neighbour"] = neighbour.report(bench.last_records, plan.slo.slo_ms)
+        a = run["neighbour"]["after"]
+        log(f"  after the neighbour (sent from {neighbour.to_s:g} s): {a.get('good_ratio')} within the SLO, "
+            f"per class {({c: v.get('good_ratio') for c, v in run['neighbour']['after_by_class'].items()})}")
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.name or f"loadgen_{args.profile}"
@@ -1485,6 +1553,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--profile", choices=("calibrate", "fixed", "step", "oscillate"), default="fixed")
     ap.add_argument("--rate", type=float, default=None, help="req/s of --profile fixed (start of calibrate)")
     ap.add_argument("--capacity", type=float, default=None, help="the capacity --profile step/oscillate scale")
+    ap.add_argument("--neighbour", default=None, metavar="FROM,TO[,PROCS]",
+                    help="with --url: PROCS (default: one per core) busy processes beside the server from FROM to "
+                    "TO seconds into the run (a noisy neighbour); reports the requests sent after it")
     args = ap.parse_args(argv)
     if args.calibrate_only:
         return calibrate_only(args)

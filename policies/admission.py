@@ -352,10 +352,55 @@ class ServiceModel:
     minimum: ``FLOOR_TAU_S * ln(weight / FLOOR_MIN_WEIGHT)``, one to three minutes for 10-60
     completions (after a capacity gain the caps stay below it that long). A level's model
     starts without buckets (`copy` takes the line only): another level runs at another speed.
+
+    A changed machine. A noisy neighbour (another tenant, a throttled core) changes the speed
+    of every request at once, and the faded points then mix two speeds at different
+    concurrencies. Measured (12-04, 2-core AVX-512 EPYC, 2 s SLO, 1.5 x C0): the machine ran
+    three times slower for 30 s, the door followed it down to one or two in flight, and when
+    it came back the slow points at two in flight and the fast ones after them at one read a
+    slope of 0.45-0.63 s per request for 40 s (0.11 before); fading does not undo such a pair
+    (it shrinks their spread and their covariance alike), and where the points do not spread
+    the ridge keeps the slope, so the door stayed at one or two in flight and 55% of the
+    requests were within the SLO. The other way round, slow points below fast ones read a
+    falling line, and the caps rose as the machine slowed. So the completions of a window
+    near the points the line was fitted on (`_near_fitted`: within `SHIFT_SPAN` of their mean
+    concurrency, where the line is measured, not extrapolated, and where its slope moves it
+    little) are compared with the line: where they took more than `SHIFT_RATIO` times its
+    prediction, either way (for `SHIFT_COUNT` of them; fewer must be further off, their mean
+    being noisier), the machine's speed changed by that ratio (`shift`, at most `SHIFT_MAX` a
+    window): the line, the points before the window and the buckets are rescaled by it (the
+    curve's shape at the new speed), and the window counts as those near completions at their
+    mean (it may also hold completions from before the change). Away from the fitted points a
+    window is not read so: there the curve itself may leave the line (a knee the line
+    extrapolates past, a lull below it, a slope never measured). Nor where the line is steep:
+    measured with four busy processes beside the server on 2 cores for 30 s (`bench/overload.py
+    --neighbour`), requests took 11-27 s, none finished meanwhile, and their completions after
+    it left a line through about the origin at 1.6 s per request; alone, 0.7 s was then read
+    as a hundred times slower, and the line was rescaled to 223 s per request.
+    In the door's model (`bench/door_sim.py`, the EPYC's knee-shaped engine at 2.3 req/s, 48
+    seeds; bench/results/door_sim_shift.json) the requests sent after a slow phase (10 to 40 s
+    into the load) were 77.9 -> 89.7% within the SLO when it was three times slower, 85.1 ->
+    91.8% twice, 97.7% in both without one; during it the door follows the slower machine at
+    once and refuses more critical work (fewer of it late). At 7 and 9 req/s (96 seeds) and
+    on a concave curve nothing moved beyond noise. What it does not mend: after a neighbour
+    that starves the engine (no completion for 30 s), the line read from the late completions
+    at 7-12 in flight and the fast ones alone after them stays steep (1.8-3.0 s per request,
+    the door at one in flight) for a minute and more, as before: no completion near its points
+    contradicts it.
     """
 
     RIDGE = 2.0  # weight (completions x requests^2) of the slope in force against the points' spread
     MIN_SLOPE = 1e-3  # seconds per request: a flat or falling fitted line is read as this
+    PIVOT_S = 1e-3  # the base of a line pivoted through (about) the origin (`_fit`)
+
+    # a changed machine (`shift`, and the class docstring): a window whose completions within
+    # SHIFT_SPAN requests of the fitted points' mean concurrency took more than SHIFT_RATIO times
+    # what the line predicted for them, either way, for SHIFT_COUNT of them (fewer: more)
+    SHIFT_RATIO = 1.5
+    SHIFT_SPAN = 0.75
+    SHIFT_COUNT = 4
+    SHIFT_MAX = 4.0  # at most this much per window, either way: a larger change is read in steps
+    SHIFT_SLOPE_SHARE = 0.2  # `_near_fitted`
 
     # the remembered floor (see the class docstring): a bucket's weight fades with this time
     # constant, it counts while it weighs at least FLOOR_MIN_WEIGHT completions, and the line
@@ -365,7 +410,7 @@ class ServiceModel:
     FLOOR_FRESH_S = 5.0
 
     __slots__ = ("base_s", "per_request_s", "slots", "window_s", "alpha", "_measured", "_opened_at",
-                 "_window", "_sums", "_buckets", "_floor")
+                 "_window", "_near", "_sums", "_buckets", "_floor", "shifts")
 
     def __init__(self, base_s: float, per_request_s: float, window_s: float = 1.0, alpha: float = 0.3,
                  trusted: bool = False, slots: int | None = None) -> None:
@@ -384,10 +429,13 @@ class ServiceModel:
         self._measured = trusted  # past a built-in guess: windows fold in, not replace
         self._opened_at: float | None = None
         self._window = [0.0] * 5  # the open window's sums: weight, x, y, x * x, x * y
+        # its completions near the fitted points (`shift`): latencies, predictions, count, x
+        self._near = [0.0, 0.0, 0.0, 0.0]
         # the faded sums of the points before it; an operator's rate is one point at n = 1
         self._sums = [1.0, 0.0, self.base_s, 0.0, 0.0] if trusted else [0.0] * 5
         self._buckets: dict[int, list[float]] = {}  # concurrency -> [weight, sum of latencies, when]
         self._floor: dict[int, float] = {}  # `floor`, as of the latest completion
+        self.shifts = 0  # windows read as the machine changing speed (`shift`)
 
     @classmethod
     def from_rate(cls, rate_per_s: float, window_s: float = 1.0, alpha: float = 0.3,
@@ -473,6 +521,11 @@ class ServiceModel:
         if self.slots is not None and m > self.slots:  # it queued: the full batch it implies
             x, y = self.slots - 1.0, latency_s * self.slots / m
         self._remember(now, x + 1.0, y)
+        if self._near_fitted(x):
+            self._near[0] += y
+            self._near[1] += self.base_s + self.per_request_s * x
+            self._near[2] += 1.0
+            self._near[3] += x
         w = self._window
         w[0] += 1.0
         w[1] += x
@@ -484,11 +537,56 @@ class ServiceModel:
         # a built-in guess gives way to the first completion that measures it; then windows
         if now - self._opened_at < self.window_s and self._measured:
             return False
+        near, self._near = self._near, [0.0, 0.0, 0.0, 0.0]
+        r = self.shift(near[0], near[1], near[2]) if self._measured else 1.0
+        if r != 1.0:  # the machine changed speed: what was measured before is rescaled to it
+            self.shifts += 1
+            self._sums[2] *= r
+            self._sums[4] *= r
+            self.base_s *= r
+            self.per_request_s *= r
+            for b in self._buckets.values():
+                b[1] *= r
+            self._refloor(now)
+            # the window may also hold completions from before the change, which the near ones
+            # do not tell apart: it counts as its near completions, at their mean (no spread)
+            n, sx, sy = near[2], near[3], near[0]
+            w[:] = [n, sx, sy, sx * sx / n, sx * sy / n]
         keep = 1.0 - self.alpha
         self._sums = [keep * s + v for s, v in zip(self._sums, w)]
         self._opened_at, self._window, self._measured = None, [0.0] * 5, True
         self._fit()
         return True
+
+    def _near_fitted(self, x: float) -> bool:
+        """Whether a completion at ``x`` (requests in flight less 1) is near the points the line
+        was fitted on (`shift`): within `SHIFT_SPAN` of their mean, and where the slope moves the
+        prediction from their mean latency by at most `SHIFT_SLOPE_SHARE` of it (a steep line,
+        pivoted or fitted across two speeds of the machine, is not trusted even there)."""
+        n, sx, sy = self._sums[0], self._sums[1], self._sums[2]
+        if n <= 0:
+            return False
+        dx = abs(x - sx / n)
+        return dx <= self.SHIFT_SPAN and self.per_request_s * dx <= self.SHIFT_SLOPE_SHARE * sy / n
+
+    @classmethod
+    def shift(cls, measured_s: float, predicted_s: float, count: float) -> float:
+        """How many times slower (below 1: faster) the machine runs now than the line says, from
+        the ``count`` completions of a window near the points the line was fitted on (within
+        `SHIFT_SPAN` of their mean concurrency), whose latencies sum to ``measured_s`` where the
+        line predicted ``predicted_s``: their ratio, where it is off by more than `SHIFT_RATIO`
+        either way for `SHIFT_COUNT` completions (a mean of fewer is noisier: the bound on the
+        ratio's log grows as ``sqrt(SHIFT_COUNT / count)``, one completion must be 2.25 times
+        off, nine 1.31 times), else 1 (noise). 1 without such completions: away from the fitted
+        points the curve itself may leave the line (a knee it extrapolates past, a lull below
+        it, a slope never measured)."""
+        if not (count > 0 and measured_s > 0 and predicted_s > 0):
+            return 1.0
+        r = measured_s / predicted_s
+        bound = math.log(cls.SHIFT_RATIO) * math.sqrt(cls.SHIFT_COUNT / count)
+        if abs(math.log(r)) <= bound:
+            return 1.0
+        return min(cls.SHIFT_MAX, max(1.0 / cls.SHIFT_MAX, r))
 
     def concurrency(self, latency_s: float, service_s: float, ahead: int = 0) -> float:
         """The requests a served completion shared the server with, itself included: ``L / S``
@@ -508,6 +606,9 @@ class ServiceModel:
         else:
             keep = math.exp(-max(0.0, now - b[2]) / self.FLOOR_TAU_S)
             b[0], b[1], b[2] = b[0] * keep + 1.0, b[1] * keep + latency_s, max(b[2], now)
+        self._refloor(now)
+
+    def _refloor(self, now: float) -> None:
         reach = max((j for j, c in self._buckets.items() if now - c[2] <= self.FLOOR_FRESH_S), default=0)
         self._floor = {
             j: c[1] / c[0] for j, c in sorted(self._buckets.items())
@@ -523,8 +624,8 @@ class ServiceModel:
         cxy = sxy - n * mx * my
         slope = max(self.MIN_SLOPE, (cxy + self.RIDGE * self.per_request_s) / (cxx + self.RIDGE))
         base = my - slope * mx
-        if base < 1e-3:  # the slope would put the line through zero before n = 1: pivot on the mean
-            base = 1e-3
+        if base < self.PIVOT_S:  # the slope would put the line through zero before n = 1: pivot on the mean
+            base = self.PIVOT_S
             slope = max(self.MIN_SLOPE, (my - base) / mx) if mx > 0 else slope
         self.base_s, self.per_request_s = base, slope
 
@@ -829,6 +930,7 @@ class AdmissionController:
         self._refusals = RefusalWindow(settings.refusal_window_s)
         self._in_flight_avg: tuple[float, float | None] = (0.0, None)  # (average, when)
         self.models_replaced = 0  # level models found stale at a change up (`set_level`)
+        self.speed_shifts = 0  # windows the level's model read as the machine changing speed (`ServiceModel.shift`)
         self._tail = LatencyTail()  # latency over the model's prediction (`_reserved`)
         self._reach: dict[int, float] = {}  # concurrency (round(m)) -> latest completion there (`ramp_limit`)
         self._recompute()
@@ -1235,7 +1337,9 @@ class AdmissionController:
             self._reach[k] = max(now, self._reach.get(k, now))
             if len(self._reach) > 4 * self.slots:  # forget what is long past the window
                 self._reach = {j: at for j, at in self._reach.items() if now - at <= RAMP_WINDOW_S}
-        if self.model.observe(now, latency_s, service_s, ahead):
+        model, shifts = self.model, self.model.shifts
+        if model.observe(now, latency_s, service_s, ahead):
+            self.speed_shifts += model.shifts - shifts
             self._recompute()
 
     def _recompute(self) -> None:

@@ -418,6 +418,8 @@ class AdmissionGate:
             "caps_held_s": None if ctl is None or ctl.held_until is None else round(max(0.0, ctl.held_until - now), 3),
             # level models found measured in a slower phase at a change up, and replaced (`set_level`)
             "level_models_replaced": None if ctl is None else ctl.models_replaced,
+            # windows of completions read as the machine changing speed: the model rescaled (`ServiceModel.shift`)
+            "speed_shifts": None if ctl is None else ctl.speed_shifts,
             "reserved": None if ctl is None else {c.value: ctl.reserve(c, now) for c in Criticality},
             # the measured latency's 0.99 quantile over the model's prediction, and the limit it sets
             # the classes below critical (`AdmissionController.tail_limit`)

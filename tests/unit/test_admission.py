@@ -279,11 +279,15 @@ def test_measured_model_moves_the_caps_both_ways() -> None:
     served_at(ctl, 5, base=0.5, per=0.25, seconds=15, t0=end)
     # admitted iff 0.5 + 0.25 * ahead <= share * 2 (within the batch of 8): critical ahead <= 6,
     # standard 4, sheddable 2, to within rounding
-    assert [ctl.max_admitted(k) for k in (C, S, D)] in ([7, 5, 3], [6, 5, 3], [7, 4, 3], [6, 4, 2])
+    caps = [ctl.max_admitted(k) for k in (C, S, D)]
+    assert caps in ([7, 5, 3], [6, 5, 3], [7, 4, 3], [6, 4, 2])
     assert ctl.model.per_request_s == pytest.approx(0.25, rel=0.05)
     assert ctl.rate_per_s == pytest.approx(8 / (0.5 + 0.25 * 7), rel=0.05)
-    served_at(ctl, 6, base=0.5, per=0.05, seconds=20, t0=100.0)  # a faster model: caps grow
-    assert ctl.max_admitted(C) >= 20
+    # a faster model: caps grow (at 6 in flight, 0.43 of the line: read as a faster machine, the
+    # whole line scaled by it, `ServiceModel.shift`; the slope alone fell, which points at one
+    # concurrency cannot tell)
+    served_at(ctl, 6, base=0.5, per=0.05, seconds=20, t0=100.0)
+    assert ctl.max_admitted(C) >= 2 * caps[0]
 
 
 def test_the_fit_is_least_squares_so_barely_shared_requests_weigh_little() -> None:
@@ -365,6 +369,119 @@ def test_the_floor_gives_way_to_fresh_points_and_fades() -> None:
     assert 11 in model.floor()
     completions(model, 1, 0.7, 60.0, t)
     assert 11 not in model.floor()
+
+
+def knee_line() -> tuple[ServiceModel, float]:
+    """A model fitted on ``0.62 + 0.11 * (n - 1)`` (the EPYC below its knee) at 1-4 in flight
+    for 40 s; with the time of its last completion."""
+    model, t = ServiceModel(0.7, 0.1, slots=16), 0.0
+    for _ in range(10):
+        for n in (1, 2, 3, 4):
+            t = completions(model, n, 0.62 + 0.11 * (n - 1), 1.0, t)
+    assert (model.base_s, model.per_request_s) == (pytest.approx(0.62), pytest.approx(0.11))
+    return model, t
+
+
+@pytest.mark.parametrize(("measured", "predicted", "count", "shift"), [
+    (3.0, 3.0, 4, 1.0),  # on the line
+    (1.45, 1.0, 4, 1.0), (1.0, 1.45, 4, 1.0),  # within SHIFT_RATIO either way, for SHIFT_COUNT: noise
+    (1.55, 1.0, 4, 1.55), (1.0, 1.55, 4, 1 / 1.55),  # past it: the machine's speed changed by that
+    (3.0, 1.0, 4, 3.0), (1.0, 3.0, 4, 1 / 3),
+    (2.2, 1.0, 1, 1.0), (2.3, 1.0, 1, 2.3),  # one completion: 1.5 ** 2 = 2.25 times off
+    (1.3, 1.0, 9, 1.0), (1.32, 1.0, 9, 1.32),  # nine: 1.5 ** (2 / 3) = 1.31 times
+    (10.0, 1.0, 4, 4.0), (1.0, 10.0, 4, 0.25),  # at most SHIFT_MAX a window: a larger change in steps
+    (0.0, 1.0, 4, 1.0), (1.0, 0.0, 4, 1.0), (1.0, 3.0, 0, 1.0),  # nothing to compare
+])
+def test_completions_far_off_the_line_say_how_much_the_machine_changed(measured: float, predicted: float,
+                                                                      count: int, shift: float) -> None:
+    assert ServiceModel.shift(measured, predicted, count) == pytest.approx(shift)
+
+
+@pytest.mark.parametrize(("n", "ratio", "shifted"), [
+    (3, 1.4, False), (3, 1 / 1.4, False),  # noise
+    (3, 3.0, True), (3, 1 / 3, True),  # within SHIFT_SPAN of where the line was measured (its points' mean: 2.85 in flight)
+    (4, 1 / 3, False), (5, 3.0, False), (12, 2.0, False),  # further up: the curve may bend there (a knee)
+    (2, 3.0, False), (1, 1 / 3, False),  # further down (a lull)
+])
+def test_only_completions_where_the_line_was_measured_say_the_machine_changed(n: int, ratio: float,
+                                                                             shifted: bool) -> None:
+    model, t = knee_line()
+    assert model._sums[1] / model._sums[0] == pytest.approx(1.85, abs=0.05)  # nearer the latest, 4 in flight
+    before, latency = model.latency_s(n), ratio * (0.62 + 0.11 * (n - 1))
+    while not model.observe(t := t + latency / n, latency, latency / n):  # until the first window closes
+        pass
+    assert (model.shifts > 0) == shifted
+    if shifted:
+        assert model.latency_s(n) == pytest.approx(ratio * before, rel=0.05)
+
+
+def test_a_line_pivoted_through_the_origin_reads_no_changed_machine() -> None:
+    """Measured (12-04, four busy processes beside the server on 2 cores for 30 s): requests
+    took 11-27 s at 7-9 in flight, and with the first completions alone after it the line ran
+    through about the origin (`_fit`'s pivot: base 1-4 ms, 1.6 s per request); a request alone
+    at 0.7 s was then read as a machine a hundred times slower, and the line rescaled to 223 s
+    per request. A line that steep (pivoted, or fitted across two speeds of the machine) is not
+    trusted near its points either (`_near_fitted`): no shift, the line moves as before."""
+    model = ServiceModel(0.7, 0.1, slots=16)
+    model.observe(0.0, 0.7, 0.7)  # measured: windows from now on
+    model._sums = [5.0, 2.5, 4.0, 5.0, 10.0]  # its points' mean: 1.5 in flight, 0.8 s
+    model.base_s, model.per_request_s = ServiceModel.PIVOT_S, 1.6
+    completions(model, 1, 0.7, 10.0, 1.0)  # alone, within SHIFT_SPAN of the points' mean
+    assert model.shifts == 0 and 0.5 < model.base_s < 0.8  # fitted through the fast points, as before
+    assert ServiceModel.shift(4 * 0.7, 4 * (ServiceModel.PIVOT_S + 1.6 * 0.0), 4) == ServiceModel.SHIFT_MAX  # else
+
+
+def test_when_the_machine_speeds_up_again_the_line_and_the_floor_follow_where_the_points_do_not_spread() -> None:
+    """Measured (12-04, 2-core AVX-512 EPYC, 2 s SLO, 1.5 x C0): the machine ran three times
+    slower for 30 s, the door followed it down to one or two in flight, and when it came back
+    the fitted slope stayed at 0.45-0.63 s per request for 40 s: the slow points at two in
+    flight and the fast ones after them at one read a steep slope, and where the points do not
+    spread the ridge keeps it. Here, before: in the first 4 s fast again the slope rose from
+    0.28 to 1.06 s and the cap for 1.9 s stayed at 1; now 14 from the second window."""
+    model, t = knee_line()
+    for _ in range(10):  # three times slower, one or two in flight
+        for n in (1, 2):
+            t = completions(model, n, 3 * (0.62 + 0.11 * (n - 1)), 2.0, t)
+    assert model.base_s == pytest.approx(3 * 0.62, rel=0.05) and model.max_within(1.9) == 1
+    assert model.per_request_s == pytest.approx(3 * 0.11, rel=0.2)  # the slope scaled with it
+    assert model.floor()  # 3 and 4 in flight, measured fast a minute ago (below the slow line: no bound)
+    t = completions(model, 1, 0.62, 3.0, t)  # fast again, one at a time
+    assert model.base_s == pytest.approx(0.62, rel=0.02)
+    assert model.per_request_s == pytest.approx(0.11, rel=0.2)  # not the two speeds' slope
+    assert all(v < model.latency_s(k) for k, v in model.floor().items())  # the buckets rescaled with it
+    assert model.max_within(1.9) in (11, 12, 13, 14)  # the fast machine's 12, give or take the slope
+
+
+def test_a_machine_slowing_down_is_followed_at_once() -> None:
+    """The door at 1-4 in flight when the machine slows threefold and it stays at 3: before,
+    the slow points at 3 in flight among the fast ones at 4 read a falling line (the slope fell
+    from 0.11 to 0.046 s, then to its floor, 0.001 s) and the cap for 1.9 s rose from 13 to
+    16-19 over 5 s. Now the first window rescales the line (from its completions at 3 in
+    flight; it also holds fast ones at 4, from before the change)."""
+    model, t = knee_line()
+    while not model.observe(t := t + 0.84, 3 * 0.84, 0.84):  # until the first window closes
+        pass
+    assert model.shifts == 1
+    assert model.latency_s(3) == pytest.approx(3 * 0.84, rel=0.02)
+    assert model.per_request_s == pytest.approx(3 * 0.11, rel=0.02)  # the slope scaled with it
+    assert model.max_within(1.9) == 1
+    completions(model, 3, 3 * 0.84, 5.0, t)  # it stays slow: read once
+    assert model.latency_s(3) == pytest.approx(3 * 0.84, rel=0.02) and model.max_within(1.9) == 1
+    assert model.shifts == 1
+
+
+def test_a_lull_and_a_knee_are_not_a_changed_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Away from the points the line was fitted on, the curve itself is off the line: the
+    windows there move it as before (no rescaling)."""
+    (a, t), (b, _) = knee_line(), knee_line()
+    monkeypatch.setattr(ServiceModel, "SHIFT_RATIO", math.inf)  # never a shift: for b alone, read below
+    for n, latency in ((11, 2.3), (8, 1.4), (1, 0.5)):  # past the knee, then a lull faster than the line
+        completions(b, n, latency, 3.0, t)
+        monkeypatch.undo()
+        t = completions(a, n, latency, 3.0, t)
+        assert (a.base_s, a.per_request_s) == (pytest.approx(b.base_s), pytest.approx(b.per_request_s))
+        monkeypatch.setattr(ServiceModel, "SHIFT_RATIO", math.inf)
+    monkeypatch.undo()
 
 
 def test_a_level_starts_without_the_floor() -> None:
@@ -1383,3 +1500,29 @@ def test_in_a_knee_shaped_engine_the_ramp_keeps_critical_work_within_the_slo() -
     without, ramp = pooled(0.0), pooled(2.0)
     assert ramp["critical_late"] < without["critical_late"]
     assert ramp["goodput_rps"] >= without["goodput_rps"]
+
+
+def test_in_the_doors_model_the_door_recovers_from_a_slow_phase(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The door's model of the 2-core EPYC at 2.3 req/s (1.5 x C0 there), the engine three
+    times slower from 10 to 40 s into the load, eight seeds pooled: the requests sent after
+    the slow phase are more often within the SLO where the model reads a changed machine
+    (`ServiceModel.shift`) than where it does not (the line then kept a slope of both speeds
+    and the door stayed low)."""
+    from bench import door_sim
+
+    def after(seed: int, slow: tuple[float, float, float] | None = (10.0, 40.0, 3.0)) -> dict:
+        return door_sim.simulate(door_sim.Setting(shares=(1.0, 0.9, 0.9)), 2.3, seed, shape="knee", noise=0.2,
+                                 calm_s=60.0, seconds=120.0, slow=slow)
+
+    def within(runs: list[dict]) -> float:
+        return door_sim.summarize(runs)["after_slow_within"]
+
+    shifted = within([after(seed) for seed in range(1, 9)])
+    monkeypatch.setattr(ServiceModel, "SHIFT_RATIO", math.inf)  # never a changed machine
+    kept = within([after(seed) for seed in range(1, 9)])
+    assert shifted >= kept + 0.05, (shifted, kept)
+    # the simulator: a slow phase of factor 1 changes nothing
+    plain, slow1 = after(1, None), after(1, (10.0, 40.0, 1.0))
+    assert plain["counts"] == slow1["counts"] and plain["after_slow"]["offered"] == 0 < slow1["after_slow"]["offered"]
+    with pytest.raises(SystemExit):
+        door_sim.main(["--slow", "1,2"])

@@ -456,6 +456,32 @@ def test_a_higher_level_measured_in_a_slower_phase_starts_from_the_level_in_forc
     assert g.state()["level_models_replaced"] == 1
 
 
+def test_a_machine_changing_speed_is_counted_in_the_state() -> None:
+    """Pairs served at 0.3 s, then at 1.5 s at the same concurrency (a noisy neighbour): the
+    model reads a machine five times slower (`ServiceModel.shift`), rescales its line, the caps
+    fall at once, and the state counts it."""
+    clock = FakeClock()
+    g = AdmissionGate(max_num_seqs=16, clock=clock)
+    g.configure(parse_policy(SLO_POLICY))
+
+    def serve_pairs(latency_s: float, pairs: int) -> None:
+        for _ in range(pairs):
+            pair = [g.admit(None), g.admit(None)]
+            clock.advance(latency_s)
+            for ticket in pair:
+                g.release(ticket, served=True)
+
+    serve_pairs(0.3, 10)
+    fast = g.controller.max_admitted(Criticality.CRITICAL)
+    assert g.state()["speed_shifts"] == 0
+    serve_pairs(1.5, 2)  # the first window also holds fast pairs: two steps
+    assert g.state()["speed_shifts"] == 2
+    serve_pairs(1.5, 5)
+    assert g.state()["speed_shifts"] == 2  # the machine stays slow: read once
+    assert g.controller.model.latency_s(2) == pytest.approx(1.5, rel=0.05)
+    assert g.controller.max_admitted(Criticality.CRITICAL) < fast / 3
+
+
 def test_a_reloaded_policy_whose_caps_have_room_lets_the_line_in_without_waiting_for_a_release() -> None:
     async def scenario() -> None:
         g = gate()

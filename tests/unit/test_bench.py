@@ -446,7 +446,7 @@ def test_run_load_records_every_request_against_a_fake_server() -> None:
     assert result.levels[0]["admission"] == {"in_flight": 2, "waiting": None, "queued": None,
                                              "class_cap": {"critical": 5}, "reserved": None, "rate_per_s": 1.5, "base_latency_s": None,
                                              "per_request_s": None, "latency_floor_s": None, "wait_smoothing_s": None,
-                                             "caps_held_s": None, "level_models_replaced": None,
+                                             "caps_held_s": None, "level_models_replaced": None, "speed_shifts": None,
                                              "latency_tail": None, "tail_limit": None, "tail_holds": None,
                                              "measured_reach": None, "ramp_limit": None, "refused": None}
     doc = rep.run_report("fake", result, 2000.0)
@@ -852,3 +852,35 @@ def test_warm_up_reports_what_the_requests_not_answered_200_got(monkeypatch: pyt
     assert doc["warm_up_status"] == {"200": 2, "503": 1, "conn_error": 1}
     assert doc["unloaded_requests"] == doc["unloaded_ok"] == overload.UNLOADED_N
     assert doc["unloaded_e2e_ms_p50"] == 1200.0
+
+
+# -- a noisy neighbour (bench/overload.py --neighbour) ------------------------------------------
+
+@pytest.mark.parametrize("spec", ["10", "10,5", "-1,5", "1,5,0", "1,5,1.5", "a,b", "1,2,3,4"])
+def test_a_bad_neighbour_is_refused_with_the_flag_named(spec: str) -> None:
+    from bench import overload
+
+    with pytest.raises(SystemExit, match="--neighbour"):
+        overload.Neighbour(spec)
+
+
+def test_a_neighbour_runs_its_processes_for_its_phase_and_reports_what_came_after() -> None:
+    import os
+    import time
+
+    from bench import overload
+
+    n = overload.Neighbour("0.1,0.6,2")
+    assert (n.from_s, n.to_s, n.procs) == (0.1, 0.6, 2) and overload.Neighbour("1,2").procs == (os.cpu_count() or 1)
+    n.start()
+    n.stop()  # ended early: no process left behind, and the phase says when it ended
+    n = overload.Neighbour("0,0.3,2")
+    n.start()
+    time.sleep(0.8)
+    n.stop()
+    assert len(n.ran) == 2 and n.ran[0] < 0.3 <= n.ran[1] < 0.8
+    records = [rec(0, 0.1, 3.0, crit="critical"), rec(1, 0.4, 0.9, crit="critical"), rec(2, 0.5, 3.0, crit="standard"),
+               rec(3, 0.6, 0.7, status=429, crit="standard")]
+    doc = n.report(records, 2000.0)
+    assert doc["after"]["requests"] == 3 and doc["after"]["good"] == 1  # sent from 0.3 s: one served within 2 s
+    assert doc["after_by_class"]["critical"]["good_ratio"] == 1.0 and doc["after_by_class"]["standard"]["good"] == 0
