@@ -368,8 +368,8 @@ class ServiceModel:
     little) are compared with the line: where they took more than `SHIFT_RATIO` times its
     prediction, either way (for `SHIFT_COUNT` of them; fewer must be further off, their mean
     being noisier), the machine's speed changed by that ratio (`shift`, at most `SHIFT_MAX` a
-    window): the line, the points before the window and the buckets are rescaled by it (the
-    curve's shape at the new speed), and the window counts as those near completions at their
+    window): the line, the points before the window and the buckets not measured in it are
+    rescaled by it (the curve's shape at the new speed), and the window counts as those near completions at their
     mean (it may also hold completions from before the change). Away from the fitted points a
     window is not read so: there the curve itself may leave the line (a knee the line
     extrapolates past, a lull below it, a slope never measured). Nor where the line is steep:
@@ -379,8 +379,8 @@ class ServiceModel:
     as a hundred times slower, and the line was rescaled to 223 s per request.
     In the door's model (`bench/door_sim.py`, the EPYC's knee-shaped engine at 2.3 req/s, 48
     seeds; bench/results/door_sim_shift.json) the requests sent after a slow phase (10 to 40 s
-    into the load) were 77.9 -> 89.7% within the SLO when it was three times slower, 85.1 ->
-    91.8% twice, 97.7% in both without one; during it the door follows the slower machine at
+    into the load) were 77.9 -> 90.7% within the SLO when it was three times slower, 85.1 ->
+    93.5% twice, 97.7% in both without one; during it the door follows the slower machine at
     once and refuses more critical work (fewer of it late). At 7 and 9 req/s (96 seeds) and
     on a concave curve nothing moved beyond noise. What it does not mend: after a neighbour
     that starves the engine (no completion for 30 s), the line read from the late completions
@@ -546,7 +546,8 @@ class ServiceModel:
             self.base_s *= r
             self.per_request_s *= r
             for b in self._buckets.values():
-                b[1] *= r
+                if b[2] < self._opened_at:  # not measured in this window (that is at the new speed)
+                    b[1] *= r
             self._refloor(now)
             # the window may also hold completions from before the change, which the near ones
             # do not tell apart: it counts as its near completions, at their mean (no spread)
@@ -572,8 +573,8 @@ class ServiceModel:
     @classmethod
     def shift(cls, measured_s: float, predicted_s: float, count: float) -> float:
         """How many times slower (below 1: faster) the machine runs now than the line says, from
-        the ``count`` completions of a window near the points the line was fitted on (within
-        `SHIFT_SPAN` of their mean concurrency), whose latencies sum to ``measured_s`` where the
+        the ``count`` completions of a window near the points the line was fitted on
+        (`_near_fitted`), whose latencies sum to ``measured_s`` where the
         line predicted ``predicted_s``: their ratio, where it is off by more than `SHIFT_RATIO`
         either way for `SHIFT_COUNT` completions (a mean of fewer is noisier: the bound on the
         ratio's log grows as ``sqrt(SHIFT_COUNT / count)``, one completion must be 2.25 times
