@@ -371,10 +371,10 @@ def test_the_floor_gives_way_to_fresh_points_and_fades() -> None:
     assert 11 not in model.floor()
 
 
-def knee_line() -> tuple[ServiceModel, float]:
+def knee_line(model_type: type[ServiceModel] = ServiceModel) -> tuple[ServiceModel, float]:
     """A model fitted on ``0.62 + 0.11 * (n - 1)`` (the EPYC below its knee) at 1-4 in flight
     for 40 s; with the time of its last completion."""
-    model, t = ServiceModel(0.7, 0.1, slots=16), 0.0
+    model, t = model_type(0.7, 0.1, slots=16), 0.0
     for _ in range(10):
         for n in (1, 2, 3, 4):
             t = completions(model, n, 0.62 + 0.11 * (n - 1), 1.0, t)
@@ -470,18 +470,29 @@ def test_a_machine_slowing_down_is_followed_at_once() -> None:
     assert model.shifts == 1
 
 
-def test_a_lull_and_a_knee_are_not_a_changed_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+class NeverShifts(ServiceModel):
+    SHIFT_RATIO = math.inf  # no window is ever far enough off the line
+
+
+class Anywhere(ServiceModel):
+    SHIFT_SPAN = SHIFT_SLOPE_SHARE = math.inf  # every completion counts as near the fitted points
+
+
+def test_a_lull_and_a_knee_are_not_a_changed_machine() -> None:
     """Away from the points the line was fitted on, the curve itself is off the line: the
     windows there move it as before (no rescaling)."""
-    (a, t), (b, _) = knee_line(), knee_line()
-    monkeypatch.setattr(ServiceModel, "SHIFT_RATIO", math.inf)  # never a shift: for b alone, read below
-    for n, latency in ((11, 2.3), (8, 1.4), (1, 0.5)):  # past the knee, then a lull faster than the line
+    (a, t), (b, _) = knee_line(), knee_line(NeverShifts)
+    # past the knee (twice the line there), then a lull at half of it: off enough for a shift,
+    # were they near the fitted points (`Anywhere` reads one)
+    for n, latency in ((11, 3.5), (8, 2.4), (1, 0.3)):
         completions(b, n, latency, 3.0, t)
-        monkeypatch.undo()
         t = completions(a, n, latency, 3.0, t)
         assert (a.base_s, a.per_request_s) == (pytest.approx(b.base_s), pytest.approx(b.per_request_s))
-        monkeypatch.setattr(ServiceModel, "SHIFT_RATIO", math.inf)
-    monkeypatch.undo()
+    assert a.shifts == 0
+    anywhere, t = knee_line(Anywhere)
+    for n, latency in ((11, 3.5), (1, 0.3)):
+        t = completions(anywhere, n, latency, 3.0, t)
+    assert anywhere.shifts >= 1
 
 
 def test_a_level_starts_without_the_floor() -> None:
