@@ -1480,7 +1480,7 @@ def single(args: argparse.Namespace) -> int:
             raise SystemExit("--profile oscillate needs --capacity")
         profile = oscillate(cap, 0.5 * cap, 30.0, args.run_s or 90.0)
     bench = Bench(plan)
-    neighbour = Neighbour(args.neighbour) if args.neighbour else None
+    neighbour = args.neighbour  # parsed in `main`
     if neighbour is not None:
         neighbour.start()
     try:
@@ -1557,6 +1557,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="with --url: PROCS (default: one per core) busy processes beside the server from FROM to "
                     "TO seconds into the run (a noisy neighbour); reports the requests sent after it")
     args = ap.parse_args(argv)
+    if args.neighbour is not None:
+        if not args.url:
+            ap.error(f"--neighbour {args.neighbour}: needs --url (a running server to put it beside)")
+        args.neighbour = Neighbour(args.neighbour)
     if args.calibrate_only:
         return calibrate_only(args)
     return single(args) if args.url else comparison(args)

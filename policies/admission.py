@@ -429,8 +429,8 @@ class ServiceModel:
         self._measured = trusted  # past a built-in guess: windows fold in, not replace
         self._opened_at: float | None = None
         self._window = [0.0] * 5  # the open window's sums: weight, x, y, x * x, x * y
-        # its completions near the fitted points (`shift`): latencies, predictions, count, x
-        self._near = [0.0, 0.0, 0.0, 0.0]
+        # its completions near the fitted points (`shift`): their latencies, count and x
+        self._near = [0.0, 0.0, 0.0]
         # the faded sums of the points before it; an operator's rate is one point at n = 1
         self._sums = [1.0, 0.0, self.base_s, 0.0, 0.0] if trusted else [0.0] * 5
         self._buckets: dict[int, list[float]] = {}  # concurrency -> [weight, sum of latencies, when]
@@ -523,9 +523,8 @@ class ServiceModel:
         self._remember(now, x + 1.0, y)
         if self._near_fitted(x):
             self._near[0] += y
-            self._near[1] += self.base_s + self.per_request_s * x
-            self._near[2] += 1.0
-            self._near[3] += x
+            self._near[1] += 1.0
+            self._near[2] += x
         w = self._window
         w[0] += 1.0
         w[1] += x
@@ -537,8 +536,10 @@ class ServiceModel:
         # a built-in guess gives way to the first completion that measures it; then windows
         if now - self._opened_at < self.window_s and self._measured:
             return False
-        near, self._near = self._near, [0.0, 0.0, 0.0, 0.0]
-        r = self.shift(near[0], near[1], near[2]) if self._measured else 1.0
+        (near_y, near_n, near_x), self._near = self._near, [0.0, 0.0, 0.0]
+        # the line's prediction for them: it moves only when a window closes, below
+        predicted = near_n * self.base_s + self.per_request_s * near_x
+        r = self.shift(near_y, predicted, near_n) if self._measured else 1.0
         if r != 1.0:  # the machine changed speed: what was measured before is rescaled to it
             self.shifts += 1
             self._sums[2] *= r
@@ -551,8 +552,7 @@ class ServiceModel:
             self._refloor(now)
             # the window may also hold completions from before the change, which the near ones
             # do not tell apart: it counts as its near completions, at their mean (no spread)
-            n, sx, sy = near[2], near[3], near[0]
-            w[:] = [n, sx, sy, sx * sx / n, sx * sy / n]
+            w[:] = [near_n, near_x, near_y, near_x * near_x / near_n, near_x * near_y / near_n]
         keep = 1.0 - self.alpha
         self._sums = [keep * s + v for s, v in zip(self._sums, w)]
         self._opened_at, self._window, self._measured = None, [0.0] * 5, True

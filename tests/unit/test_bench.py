@@ -862,6 +862,16 @@ def test_a_bad_neighbour_is_refused_with_the_flag_named(spec: str) -> None:
 
     with pytest.raises(SystemExit, match="--neighbour"):
         overload.Neighbour(spec)
+    with pytest.raises(SystemExit, match="--neighbour"):  # from the command line, before any run
+        overload.main(["--url", "http://127.0.0.1:9", f"--neighbour={spec}"])
+
+
+def test_a_neighbour_without_a_running_server_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import overload
+
+    with pytest.raises(SystemExit):
+        overload.main(["--neighbour", "20,50"])  # the comparison deploys its own apps: not beside them
+    assert "--neighbour 20,50: needs --url" in capsys.readouterr().err
 
 
 def test_a_neighbour_runs_its_processes_for_its_phase_and_reports_what_came_after() -> None:
