@@ -385,8 +385,23 @@ class ServiceModel:
     on a concave curve nothing moved beyond noise. What it does not mend: after a neighbour
     that starves the engine (no completion for 30 s), the line read from the late completions
     at 7-12 in flight and the fast ones alone after them stays steep (1.8-3.0 s per request,
-    the door at one in flight) for a minute and more, as before: no completion near its points
-    contradicts it.
+    the door at one in flight) for a minute and more: no completion near its points
+    contradicts it. The next paragraph bounds it.
+
+    A work-conserving bound. A server that can run requests one after another serves ``n`` of
+    them in at most ``n`` times what one takes alone; a batching engine serves a few in far
+    less (the EPYC: 0.62 s alone, 0.73 s at 2 in flight). So where requests alone were measured
+    just now (`alone_s`: the median of the latest `ALONE_COUNT` completions alone, while the
+    last is within `FLOOR_FRESH_S` of the latest completion), ``latency_s(n)`` for ``n >= 2``
+    is at most ``n * alone_s``, whatever the line or the floor say, and `max_within` admits at
+    least ``limit / alone_s`` when that is 2 or more. Within the bound nothing moves (no line
+    measured on a running engine exceeds it); it is the way out of a steep line that the door,
+    held at one in flight by it, never measures: at two in flight the completions move the line
+    again. A changed machine forgets the latencies alone measured before its window (they may
+    be of either speed). In the door's model (48 seeds, the engine ten times slower from 20 to
+    50 s) 32% -> 62% of the requests sent after the slow phase were within the SLO, critical
+    work 53% -> 73% over the runs; at 3 x and after a threefold slowdown within noise
+    (bench/RESULTS.md, 12-05).
     """
 
     RIDGE = 2.0  # weight (completions x requests^2) of the slope in force against the points' spread
@@ -408,9 +423,10 @@ class ServiceModel:
     FLOOR_TAU_S = 60.0
     FLOOR_MIN_WEIGHT = 3.0
     FLOOR_FRESH_S = 5.0
+    ALONE_COUNT = 3  # `alone_s`: the median of at most this many latest completions alone
 
     __slots__ = ("base_s", "per_request_s", "slots", "window_s", "alpha", "_measured", "_opened_at",
-                 "_window", "_near", "_sums", "_buckets", "_floor", "shifts")
+                 "_window", "_near", "_sums", "_buckets", "_floor", "_alone", "_alone_s", "shifts")
 
     def __init__(self, base_s: float, per_request_s: float, window_s: float = 1.0, alpha: float = 0.3,
                  trusted: bool = False, slots: int | None = None) -> None:
@@ -435,6 +451,9 @@ class ServiceModel:
         self._sums = [1.0, 0.0, self.base_s, 0.0, 0.0] if trusted else [0.0] * 5
         self._buckets: dict[int, list[float]] = {}  # concurrency -> [weight, sum of latencies, when]
         self._floor: dict[int, float] = {}  # `floor`, as of the latest completion
+        # the latest completions alone (`alone_s`): [latency, when]
+        self._alone: list[list[float]] = []
+        self._alone_s: float | None = None  # `alone_s`, as of the latest completion
         self.shifts = 0  # windows read as the machine changing speed (`shift`)
 
     @classmethod
@@ -468,19 +487,35 @@ class ServiceModel:
         fading by `FLOOR_TAU_S`. Empty where nothing was measured past the reach."""
         return dict(self._floor)
 
+    @property
+    def alone_s(self) -> float | None:
+        """The latency of a request alone measured just now (the class docstring's work-conserving
+        bound): the median of the latest `ALONE_COUNT` completions alone (``round(m) == 1``)
+        within `FLOOR_FRESH_S` of the latest completion; None where there are none."""
+        return self._alone_s
+
     def _floor_s(self, n: float) -> float:
         return max((v for k, v in self._floor.items() if k <= n), default=0.0)
 
     def latency_s(self, n: float) -> float:
         """Predicted latency of a request sharing the server with ``n`` requests, itself included."""
         n = max(1.0, n)
+        if self._alone_s is None or n < 2.0:  # alone, the line (fitted on many) is the better guide
+            return self._curve_s(n)
+        return min(self._curve_s(n), n * self._alone_s)
+
+    def _curve_s(self, n: float) -> float:
         line = max(self.base_s + self.per_request_s * (n - 1.0), self._floor_s(n))
         if self.slots is None or n <= self.slots:
             return line
-        return max(line, self.latency_s(self.slots) * n / self.slots)
+        return max(line, self._curve_s(self.slots) * n / self.slots)
 
     def max_within(self, limit_s: float) -> int:
         """The most requests in flight at which ``latency_s`` is at most ``limit_s``; at least 1."""
+        bound = 0 if self._alone_s is None else math.floor(limit_s / self._alone_s + 1e-9)
+        return max(bound if bound >= 2 else 0, self._curve_within(limit_s))
+
+    def _curve_within(self, limit_s: float) -> int:
         n_line = math.floor((limit_s - self.base_s) / self.per_request_s + 1e-9) + 1
         for k, v in self._floor.items():  # the first concurrency remembered too slow, and above
             if v > limit_s:
@@ -488,7 +523,7 @@ class ServiceModel:
                 break
         if self.slots is None or n_line <= self.slots:
             return max(1, n_line)
-        n_queue = math.floor(limit_s * self.slots / self.latency_s(self.slots) + 1e-9)
+        n_queue = math.floor(limit_s * self.slots / self._curve_s(self.slots) + 1e-9)
         return max(1, min(n_line, n_queue))
 
     def copy(self) -> ServiceModel:
@@ -521,6 +556,7 @@ class ServiceModel:
         if self.slots is not None and m > self.slots:  # it queued: the full batch it implies
             x, y = self.slots - 1.0, latency_s * self.slots / m
         self._remember(now, x + 1.0, y)
+        self._observe_alone(now, m, latency_s)
         if self._near_fitted(x):
             self._near[0] += y
             self._near[1] += 1.0
@@ -541,15 +577,7 @@ class ServiceModel:
         predicted = near_n * self.base_s + self.per_request_s * near_x
         r = self.shift(near_y, predicted, near_n) if self._measured else 1.0
         if r != 1.0:  # the machine changed speed: what was measured before is rescaled to it
-            self.shifts += 1
-            self._sums[2] *= r
-            self._sums[4] *= r
-            self.base_s *= r
-            self.per_request_s *= r
-            for b in self._buckets.values():
-                if b[2] < self._opened_at:  # not measured in this window (that is at the new speed)
-                    b[1] *= r
-            self._refloor(now)
+            self._rescale(r, now, since=self._opened_at)
             # the window may also hold completions from before the change, which the near ones
             # do not tell apart: it counts as its near completions, at their mean (no spread)
             w[:] = [near_n, near_x, near_y, near_x * near_x / near_n, near_x * near_y / near_n]
@@ -558,6 +586,23 @@ class ServiceModel:
         self._opened_at, self._window, self._measured = None, [0.0] * 5, True
         self._fit()
         return True
+
+    def _rescale(self, r: float, now: float, since: float | None = None) -> None:
+        """The machine runs ``r`` times slower (below 1: faster) than what was measured before
+        ``since`` (None: everything): the line, its points and the remembered buckets are
+        rescaled to it, and the latencies alone measured before are forgotten (they may be of
+        either speed)."""
+        self.shifts += 1
+        self._sums[2] *= r
+        self._sums[4] *= r
+        self.base_s *= r
+        self.per_request_s *= r
+        for b in self._buckets.values():
+            if since is None or b[2] < since:  # measured since is at the new speed already
+                b[1] *= r
+        self._alone = [a for a in self._alone if since is not None and a[1] >= since]
+        self._refloor(now)
+        self._realone(now)
 
     def _near_fitted(self, x: float) -> bool:
         """Whether a completion at ``x`` (requests in flight less 1) is near the points the line
@@ -608,6 +653,16 @@ class ServiceModel:
             keep = math.exp(-max(0.0, now - b[2]) / self.FLOOR_TAU_S)
             b[0], b[1], b[2] = b[0] * keep + 1.0, b[1] * keep + latency_s, max(b[2], now)
         self._refloor(now)
+
+    def _observe_alone(self, now: float, m: float, latency_s: float) -> None:
+        if round(m) <= 1:
+            self._alone.append([latency_s, now])
+            del self._alone[:-self.ALONE_COUNT]
+        self._realone(now)
+
+    def _realone(self, now: float) -> None:
+        fresh = [a[0] for a in self._alone if now - a[1] <= self.FLOOR_FRESH_S]
+        self._alone_s = statistics.median(fresh) if fresh else None
 
     def _refloor(self, now: float) -> None:
         reach = max((j for j, c in self._buckets.items() if now - c[2] <= self.FLOOR_FRESH_S), default=0)
@@ -686,7 +741,10 @@ FAST_FRACTION = 0.2
 # requests ran where standard's cap (0.9 of the budget, at the mean) held the door, 8-11 in
 # flight, and 13 of 312 finished 2.01-2.35 s after they were sent. So while critical work
 # arrives, the classes below it are held to the concurrency at which that quantile of the
-# latency is within critical's budget (`LatencyTail`, `AdmissionController.tail_limit`).
+# latency is within critical's budget (`LatencyTail`, `AdmissionController.tail_limit`). Where the
+# model reads a changed machine (`ServiceModel.shift`) the spread is measured again from nothing:
+# it was measured around a line the machine left (in the door's model, after a phase ten times
+# slower it read 2.0-2.2 for a few minutes, and held critical's cap at one or two in flight).
 TAIL_Z = 2.326  # the standard normal's 0.99 quantile: the objective is a p99
 TAIL_WINDOW = 200  # completions the spread is measured over
 TAIL_MIN = 30  # fewer than this measure no spread (no margin)
@@ -1340,7 +1398,9 @@ class AdmissionController:
                 self._reach = {j: at for j, at in self._reach.items() if now - at <= RAMP_WINDOW_S}
         model, shifts = self.model, self.model.shifts
         if model.observe(now, latency_s, service_s, ahead):
-            self.speed_shifts += model.shifts - shifts
+            if model.shifts != shifts:  # the spread was measured around a line the machine left
+                self.speed_shifts += model.shifts - shifts
+                self._tail = LatencyTail()
             self._recompute()
 
     def _recompute(self) -> None:

@@ -17,6 +17,7 @@ from policies.admission import (
     RefusalWindow,
     ServiceModel,
     ShareClock,
+    TAIL_MIN,
     classify,
     default_prior_rate,
     queue_caps,
@@ -468,6 +469,87 @@ def test_a_machine_slowing_down_is_followed_at_once() -> None:
     completions(model, 3, 3 * 0.84, 5.0, t)  # it stays slow: read once
     assert model.latency_s(3) == pytest.approx(3 * 0.84, rel=0.02) and model.max_within(1.9) == 1
     assert model.shifts == 1
+
+
+def steep_after_a_starvation() -> tuple[ServiceModel, float]:
+    """A line read across a starved engine (measured 12-04, two busy processes beside the server
+    on 2 cores): completions at 5-7 in flight took 10-15 s, and the fast ones alone after them
+    left a line of 0.7 s alone and 2 s more per request; a bucket at 2 in flight remembers 2.1 s."""
+    model = ServiceModel(0.7, 2.0, slots=16, trusted=True)  # measured: windows from now on
+    model._buckets[2] = [10.0, 21.0, -30.0]  # measured half a minute before
+    model._refloor(0.0)
+    return model, 0.0
+
+
+def test_a_request_alone_just_measured_bounds_what_more_requests_take() -> None:
+    """A work-conserving server serves ``n`` requests in at most ``n`` times what one takes
+    alone (one after another would), so a line or a remembered floor that says more is not the
+    machine as it runs now. Before, the door stayed at one in flight for a minute and more
+    (`ServiceModel.alone_s`; in the door's model 32% of the requests sent after a phase ten
+    times slower were within the SLO, 61% with the bound)."""
+    model, t = steep_after_a_starvation()
+    assert model.alone_s is None and model.max_within(1.9) == 1 and model.latency_s(2) == pytest.approx(2.7)
+    for latency in (0.8, 0.7, 0.6):  # alone, fast again
+        t += 1.0
+        model.observe(t, latency, latency)
+    assert model.alone_s == pytest.approx(0.7)  # the median of the latest three
+    assert model.latency_s(2) == pytest.approx(1.4) and model.latency_s(3) == pytest.approx(2.1)
+    assert model.latency_s(1) == pytest.approx(model.base_s)  # alone the line (fitted on many) rules
+    assert model.latency_s(1.5) == pytest.approx(model.base_s + 0.5 * model.per_request_s)
+    assert model.per_request_s > 1.0  # the line itself is unchanged: the bound is on what it predicts
+    assert model.max_within(1.9) == 2 and model.max_within(1.3) == 1  # the bound admits at least 2, or nothing
+    assert model.floor() == {2: pytest.approx(2.1)}  # still remembered, bounded too
+    for _ in range(6):  # then only at 3 in flight for longer than FLOOR_FRESH_S: the bound lapses
+        t += 1.0
+        model.observe(t, 6.0, 2.0)
+    assert model.alone_s is None and model.latency_s(2) >= 2.1 and model.max_within(1.9) == 1
+
+
+def test_the_bound_alone_leaves_a_line_the_machine_keeps_as_it_was() -> None:
+    """Within the bound (a batching engine serves a few requests in far less than a few times
+    one alone), nothing moves: the caps and predictions of the EPYC's line measured one at a
+    time are those of a model that measures nothing alone."""
+
+    class NoneAlone(ServiceModel):
+        def _realone(self, now: float) -> None:
+            self._alone_s = None
+
+    (model, t), (plain, _) = knee_line(), knee_line(NoneAlone)
+    assert model.alone_s == pytest.approx(0.62) and plain.alone_s is None
+    for n in (1, 1.5, 2, 4, 9, 16, 40):
+        assert model.latency_s(n) == pytest.approx(plain.latency_s(n))
+    for limit in (0.5, 1.0, 1.9, 5.0):
+        assert model.max_within(limit) == plain.max_within(limit)
+
+
+def test_a_changed_machine_forgets_the_latencies_alone_measured_before_it() -> None:
+    """They may be of either speed: a bound from the fast machine's latency alone would admit
+    twice what the slower one serves within the SLO."""
+    model, t = knee_line()
+    t = completions(model, 1, 0.62, 2.0, t)
+    assert model.alone_s == pytest.approx(0.62)
+    while not model.observe(t := t + 0.84, 3 * 0.84, 0.84):  # three times slower at 3 in flight
+        pass
+    assert model.shifts == 1 and model.alone_s is None and model.max_within(1.9) == 1
+
+
+def test_a_changed_machine_starts_the_spread_again() -> None:
+    """The measured spread of the latency over the prediction (`LatencyTail`) was measured
+    around a line the machine left: in the door's model, after a phase ten times slower it read
+    2.0-2.2, and critical's tail limit held the door at one or two in flight after the line had
+    come back. A shift starts it again; noise around an unchanged line keeps it."""
+    ctl = controller(slots=16)
+    model, t = knee_line()
+    ctl._models[0] = model
+    for i in range(TAIL_MIN + 10):  # noise at 3 in flight, where the line was measured
+        t += 0.3
+        latency = 0.84 * (1.3 if i % 2 else 0.8)
+        ctl.observe_completion(t, latency, latency / 3)
+    assert len(ctl._tail) == TAIL_MIN + 10 and ctl.speed_shifts == 0
+    while ctl.speed_shifts == 0:  # three times slower at 3 in flight
+        t += 0.84
+        ctl.observe_completion(t, 3 * 0.84, 0.84)
+    assert len(ctl._tail) < TAIL_MIN and ctl.tail_factor == 1.0
 
 
 class NeverShifts(ServiceModel):
@@ -1537,3 +1619,22 @@ def test_in_the_doors_model_the_door_recovers_from_a_slow_phase(monkeypatch: pyt
     assert plain["counts"] == slow1["counts"] and plain["after_slow"]["offered"] == 0 < slow1["after_slow"]["offered"]
     with pytest.raises(SystemExit):
         door_sim.main(["--slow", "1,2"])
+
+
+def test_in_the_doors_model_the_door_recovers_from_a_phase_ten_times_slower(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As above, the engine ten times slower from 20 to 50 s (about what two busy processes
+    beside the server did on 2 cores: no completion for half a minute, requests taking 10-30
+    s): the line read across it stays steep, and only the bound of a request alone
+    (`ServiceModel.alone_s`) lets the door climb from one in flight again."""
+    from bench import door_sim
+
+    def within() -> float:
+        return door_sim.summarize([
+            door_sim.simulate(door_sim.Setting(shares=(1.0, 0.9, 0.9)), 2.3, seed, shape="knee", noise=0.2,
+                              calm_s=60.0, seconds=120.0, slow=(20.0, 50.0, 10.0))
+            for seed in range(1, 9)])["after_slow_within"]
+
+    bounded = within()
+    monkeypatch.setattr(ServiceModel, "_realone", lambda self, now: setattr(self, "_alone_s", None))
+    unbounded = within()
+    assert bounded >= unbounded + 0.15, (bounded, unbounded)
