@@ -404,6 +404,9 @@ class AdmissionGate:
             "rate_per_s": None if ctl is None else round(ctl.rate_per_s, 3),
             "base_latency_s": None if ctl is None else round(ctl.model.base_s, 3),
             "per_request_s": None if ctl is None else round(ctl.model.per_request_s, 3),
+            # the latency of a request alone, measured within 5 s of the latest completion: n in flight are
+            # predicted to take at most n times it (`ServiceModel.alone_s`); None where none was
+            "latency_alone_s": None if ctl is None or ctl.model.alone_s is None else round(ctl.model.alone_s, 3),
             # latency measured past the line's recent points, per concurrency: a floor under it
             "latency_floor_s": None if ctl is None else {str(k): round(v, 3) for k, v in ctl.model.floor().items()},
             # the time constant the predicted_wait_ms signal averages the requests in flight over

@@ -473,7 +473,11 @@ def test_a_machine_changing_speed_is_counted_in_the_state() -> None:
 
     serve_pairs(0.3, 10)
     fast = g.controller.max_admitted(Criticality.CRITICAL)
-    assert g.state()["speed_shifts"] == 0
+    assert g.state()["speed_shifts"] == 0 and g.state()["latency_alone_s"] is None  # none alone
+    alone = g.admit(None)
+    clock.advance(0.25)
+    g.release(alone, served=True)
+    assert g.state()["latency_alone_s"] == pytest.approx(0.25)
     serve_pairs(1.5, 2)  # the first window also holds fast pairs: two steps
     assert g.state()["speed_shifts"] == 2
     serve_pairs(1.5, 5)
