@@ -398,15 +398,20 @@ class ServiceModel:
     measured on a running engine exceeds it); it is the way out of a steep line that the door,
     held at one in flight by it, never measures: at two in flight the completions move the line
     again. A changed machine forgets the latencies alone measured before its window (they may
-    be of either speed). In the door's model (48 seeds, the engine ten times slower from 20 to
-    50 s) 32% -> 62% of the requests sent after the slow phase were within the SLO, critical
-    work 53% -> 73% over the runs; at 3 x and after a threefold slowdown within noise
-    (bench/RESULTS.md, 12-05).
+    be of either speed). The same measurement anchors the line: where a fit's intercept falls
+    more than `PIVOT_RATIO` below `alone_s` (a line read across a starvation ran through about
+    the origin, 1 ms alone, while requests alone took 0.5 s, and the latency's spread measured
+    against it held standard work at one in flight), the line pivots on its points' mean
+    through the latency alone instead (`_fit`). In the door's model (48 seeds, the engine ten
+    times slower from 20 to 50 s) 32% -> 68% of the requests sent after the slow phase were
+    within the SLO (62% with the bound alone), critical work 53% -> 73% over the runs; at 3 x
+    and after a threefold slowdown within noise (bench/RESULTS.md, 12-05).
     """
 
     RIDGE = 2.0  # weight (completions x requests^2) of the slope in force against the points' spread
     MIN_SLOPE = 1e-3  # seconds per request: a flat or falling fitted line is read as this
     PIVOT_S = 1e-3  # the base of a line pivoted through (about) the origin (`_fit`)
+    PIVOT_RATIO = 1.5  # or through `alone_s`, where the fitted base is more than this many times below it
 
     # a changed machine (`shift`, and the class docstring): a window whose completions within
     # SHIFT_SPAN requests of the fitted points' mean concurrency took more than SHIFT_RATIO times
@@ -680,9 +685,14 @@ class ServiceModel:
         cxy = sxy - n * mx * my
         slope = max(self.MIN_SLOPE, (cxy + self.RIDGE * self.per_request_s) / (cxx + self.RIDGE))
         base = my - slope * mx
-        if base < self.PIVOT_S:  # the slope would put the line through zero before n = 1: pivot on the mean
+        # a line through zero before n = 1, or far below a request alone measured just now: it
+        # pivots on the points' mean, through that latency alone (else about the origin)
+        floor_s = self.PIVOT_S if self._alone_s is None else max(self.PIVOT_S, self._alone_s / self.PIVOT_RATIO)
+        if base < floor_s and mx > 0:
+            base = self.PIVOT_S if self._alone_s is None else self._alone_s
+            slope = max(self.MIN_SLOPE, (my - base) / mx)
+        elif base < self.PIVOT_S:
             base = self.PIVOT_S
-            slope = max(self.MIN_SLOPE, (my - base) / mx) if mx > 0 else slope
         self.base_s, self.per_request_s = base, slope
 
 

@@ -505,6 +505,33 @@ def test_a_request_alone_just_measured_bounds_what_more_requests_take() -> None:
     assert model.alone_s is None and model.latency_s(2) >= 2.1 and model.max_within(1.9) == 1
 
 
+def test_a_line_far_below_a_request_alone_pivots_through_it() -> None:
+    """Measured beside a real neighbour (12-05, three busy processes on 2 cores): after the
+    starvation the line ran through about the origin (base 1 ms, 1.5-2 s per request) while
+    requests alone took 0.5 s; the latency's spread measured against it read 2.0-2.4 and held
+    standard work at one in flight. A fit whose intercept falls more than `PIVOT_RATIO` below
+    the latency alone measured just now pivots on its points' mean through that latency
+    instead; without one measured, as before (through about the origin, or where it fell)."""
+
+    class NoneAlone(ServiceModel):
+        def _realone(self, now: float) -> None:
+            self._alone_s = None
+
+    def fitted(model_type: type[ServiceModel]) -> ServiceModel:
+        model = model_type(ServiceModel.PIVOT_S, 3.0, slots=16, trusted=True)
+        model._sums = [5.0, 20.0, 40.0, 80.0, 160.0]  # at 5 in flight, 8 s each (the starved completions)
+        model.observe(1.0, 0.6, 0.6)
+        assert model.observe(2.0, 0.6, 0.6)  # alone, fast again: the window closes
+        return model
+
+    pivoted, plain = fitted(ServiceModel), fitted(NoneAlone)
+    assert plain.base_s == pytest.approx(0.338, abs=0.01)  # below 0.6 / 1.5: the fit's own intercept
+    assert pivoted.base_s == pytest.approx(0.6)
+    mx, my = pivoted._sums[1] / pivoted._sums[0], pivoted._sums[2] / pivoted._sums[0]
+    assert pivoted.base_s + pivoted.per_request_s * mx == pytest.approx(my)  # the line through their mean
+    assert pivoted.latency_s(1.5) > plain.latency_s(1.5)
+
+
 def test_the_bound_alone_leaves_a_line_the_machine_keeps_as_it_was() -> None:
     """Within the bound (a batching engine serves a few requests in far less than a few times
     one alone), nothing moves: the caps and predictions of the EPYC's line measured one at a
