@@ -405,7 +405,10 @@ class ServiceModel:
     through the latency alone instead (`_fit`). In the door's model (48 seeds, the engine ten
     times slower from 20 to 50 s) 32% -> 68% of the requests sent after the slow phase were
     within the SLO (62% with the bound alone), critical work 53% -> 73% over the runs; at 3 x
-    and after a threefold slowdown within noise (bench/RESULTS.md, 12-05).
+    and after a threefold slowdown within noise. Beside two or three busy processes on the
+    2-core EPYC (`bench/overload.py --neighbour`), 33-35% -> 71-74% of the requests sent after
+    them (bench/RESULTS.md, 12-05). During a starvation itself the door still admits up to its
+    caps: nothing finishes to learn from.
     """
 
     RIDGE = 2.0  # weight (completions x requests^2) of the slope in force against the points' spread
