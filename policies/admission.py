@@ -595,20 +595,20 @@ class ServiceModel:
         self._fit()
         return True
 
-    def _rescale(self, r: float, now: float, since: float | None = None) -> None:
+    def _rescale(self, r: float, now: float, since: float) -> None:
         """The machine runs ``r`` times slower (below 1: faster) than what was measured before
-        ``since`` (None: everything): the line, its points and the remembered buckets are
-        rescaled to it, and the latencies alone measured before are forgotten (they may be of
-        either speed)."""
+        ``since`` (the window that read it): the line, its points and the remembered buckets
+        are rescaled to it, and the latencies alone measured before are forgotten (they may be
+        of either speed)."""
         self.shifts += 1
         self._sums[2] *= r
         self._sums[4] *= r
         self.base_s *= r
         self.per_request_s *= r
         for b in self._buckets.values():
-            if since is None or b[2] < since:  # measured since is at the new speed already
+            if b[2] < since:  # measured since is at the new speed already
                 b[1] *= r
-        self._alone = [a for a in self._alone if since is not None and a[1] >= since]
+        self._alone = [a for a in self._alone if a[1] >= since]
         self._refloor(now)
         self._realone(now)
 
