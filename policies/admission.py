@@ -369,8 +369,8 @@ class ServiceModel:
     prediction, either way (for `SHIFT_COUNT` of them; fewer must be further off, their mean
     being noisier), the machine's speed changed by that ratio (`shift`, at most `SHIFT_MAX` a
     window): the line, the points before the window and the buckets not measured in it are
-    rescaled by it (the curve's shape at the new speed), and the window counts as those near completions at their
-    mean (it may also hold completions from before the change). Away from the fitted points a
+    rescaled by it (the curve's shape at the new speed), and the window counts as those near
+    completions at their mean (it may also hold completions from before the change). Away from the fitted points a
     window is not read so: there the curve itself may leave the line (a knee the line
     extrapolates past, a lull below it, a slope never measured). Nor where the line is steep:
     measured with four busy processes beside the server on 2 cores for 30 s (`bench/overload.py
@@ -688,14 +688,13 @@ class ServiceModel:
         cxy = sxy - n * mx * my
         slope = max(self.MIN_SLOPE, (cxy + self.RIDGE * self.per_request_s) / (cxx + self.RIDGE))
         base = my - slope * mx
-        # a line through zero before n = 1, or far below a request alone measured just now: it
-        # pivots on the points' mean, through that latency alone (else about the origin)
-        floor_s = self.PIVOT_S if self._alone_s is None else max(self.PIVOT_S, self._alone_s / self.PIVOT_RATIO)
-        if base < floor_s and mx > 0:
-            base = self.PIVOT_S if self._alone_s is None else self._alone_s
-            slope = max(self.MIN_SLOPE, (my - base) / mx)
-        elif base < self.PIVOT_S:
+        alone = self._alone_s
+        if alone is not None and mx > 0 and base < max(self.PIVOT_S, alone / self.PIVOT_RATIO):
+            # far below a request alone measured just now: pivot on the mean, through that latency
+            base, slope = alone, max(self.MIN_SLOPE, (my - alone) / mx)
+        elif base < self.PIVOT_S:  # the slope would put the line through zero before n = 1: pivot on the mean
             base = self.PIVOT_S
+            slope = max(self.MIN_SLOPE, (my - base) / mx) if mx > 0 else slope
         self.base_s, self.per_request_s = base, slope
 
 
