@@ -36,7 +36,7 @@ Usage::
     .venv/bin/python bench/door_sim.py --preset issue10 --shares 1,0.9,0.75 --shares 1,0.9,0.9 \\
         --shares 1,1,1 --json bench/results/door_sim_shares.json
     .venv/bin/python bench/door_sim.py --rate 7 --shape knee --noise 0.2 --calm-s 60 --seeds 16 \\
-        --shares 1,0.8,0.6 --ramp-growth 0 --ramp-growth 2
+        --shares 1,0.8,0.6 --ramp-step 0 --ramp-step 3
     .venv/bin/python bench/door_sim.py --rate 2.3 --shape knee --noise 0.2 --calm-s 60 --seeds 48 \\
         --seconds 120 --slow 10,40,3 --shares 1,0.9,0.9
 """
@@ -84,12 +84,12 @@ class Setting:
     shares: tuple[float, float, float] = (1.0, 0.9, 0.75)
     reserve_quantile: float = 0.99
     critical_wait_share: float = 0.1
-    ramp_growth: float = AdmissionConfig.model_fields["ramp_growth"].default
+    ramp_step: int = AdmissionConfig.model_fields["ramp_step"].default
 
     @property
     def label(self) -> str:
         return (f"shares {'/'.join(f'{s:g}' for s in self.shares)}, reserve {self.reserve_quantile:g}, "
-                f"wait {self.critical_wait_share:g}, ramp {self.ramp_growth:g}")
+                f"wait {self.critical_wait_share:g}, ramp {self.ramp_step}")
 
 
 def simulate(setting: Setting, rate: float, seed: int, scale: float = 1.0, shape: str = "concave",
@@ -105,7 +105,7 @@ def simulate(setting: Setting, rate: float, seed: int, scale: float = 1.0, shape
     slo = SloConfig(e2e_p99_ms=slo_ms, class_share=dict(zip((c.value for c in CLASSES), setting.shares)))
     ctl = AdmissionController(slo, AdmissionConfig(overhead_ms=100, reserve_quantile=setting.reserve_quantile,
                                                    critical_wait_share=setting.critical_wait_share,
-                                                   ramp_growth=setting.ramp_growth), slots=BATCH)
+                                                   ramp_step=setting.ramp_step), slots=BATCH)
     rng, share, t, speed = random.Random(seed), ShareClock(), 0.0, 1.0
 
     slowed = 1.0
@@ -226,8 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shares", action="append", default=None,
                     help="class_share critical,standard,sheddable (repeat to compare; default 1,0.9,0.75)")
     ap.add_argument("--reserve-quantile", type=float, action="append", default=None)
-    ap.add_argument("--ramp-growth", type=float, action="append", default=None,
-                    help="admission.ramp_growth (repeat to compare; 0: no ramp)")
+    ap.add_argument("--ramp-step", type=int, action="append", default=None,
+                    help="admission.ramp_step (repeat to compare; 0: no ramp)")
     ap.add_argument("--calm-s", type=float, default=30.0, help="one request at a time before the load")
     ap.add_argument("--slow", default=None, metavar="FROM,TO,FACTOR",
                     help="the engine FACTOR times slower from FROM to TO seconds into the load")
@@ -237,11 +237,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--drift", type=float, default=0.03)
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args(argv)
-    default_ramp = Setting().ramp_growth
+    default_ramp = Setting().ramp_step
     settings = [Setting(shares=tuple(float(x) for x in s.split(",")), reserve_quantile=q,  # type: ignore[arg-type]
-                        ramp_growth=g)
+                        ramp_step=g)
                 for s in (args.shares or ["1,0.9,0.75"]) for q in (args.reserve_quantile or [0.99])
-                for g in (args.ramp_growth or [default_ramp])]
+                for g in (args.ramp_step or [default_ramp])]
     for s in settings:
         if len(s.shares) != 3:
             ap.error(f"--shares: need three values critical,standard,sheddable, got {s.shares}")

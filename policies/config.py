@@ -353,12 +353,12 @@ class AdmissionConfig(_Strict):
         "leave room for its latency's tail "
         "(0: no reservation of either kind)",
     )
-    ramp_growth: float = Field(
-        default=2.0, ge=0.0, le=100.0, allow_inf_nan=False,
+    ramp_step: int = Field(
+        default=3, ge=0, le=1000,
         description="while critical work arrives, the classes below it are admitted to at most this "
-        "many times the highest concurrency a served request was measured at in the last 10 s (at "
-        "least 4): slow start into load the latency model has not measured lately "
-        "(0: no such limit; nor with reserve_quantile 0)",
+        "many requests above the highest concurrency a served request was measured at in the last "
+        "10 s (at least 4 in all): additive increase into load the latency model has not measured "
+        "lately (0: no such limit; nor with reserve_quantile 0)",
     )
     critical_wait_share: float = Field(
         default=0.1, ge=0.0, le=0.5, allow_inf_nan=False,
@@ -391,6 +391,16 @@ class AdmissionConfig(_Strict):
     )
     min_retry_after_s: int = Field(default=1, ge=1, le=3600)
     max_retry_after_s: int = Field(default=30, ge=1, le=3600)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _replaced(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and "ramp_growth" in data:
+            raise ValueError(
+                f"ramp_growth: {data['ramp_growth']!r}: the ramp's multiplicative growth was replaced by "
+                "ramp_step (requests added above the concurrency measured lately, default 3; 0: no ramp)"
+            )
+        return data
 
     @model_validator(mode="after")
     def _retry_bounds(self) -> AdmissionConfig:

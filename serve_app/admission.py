@@ -360,10 +360,9 @@ class AdmissionGate:
             why = (f"{klass} requests are shed while more important work alone arrives as fast as the "
                    "service completes requests")
         elif d.limited_by == "ramp" and self.controller is not None:
-            growth = self.controller.settings.ramp_growth
-            times = "twice" if growth == 2 else f"{growth:g} times"
-            why = (f"{klass} requests are admitted up to {times} the load the service was measured at "
-                   "lately while it ramps up, keeping room for critical work")
+            step = self.controller.settings.ramp_step
+            why = (f"{klass} requests are admitted up to {step} request{'s' if step != 1 else ''} above the "
+                   "load the service was measured at lately while it ramps up, keeping room for critical work")
         else:
             why = f"{klass} requests are being shed to keep room for more important work within its latency objective"
         message = (f"{why} ({self.in_flight} requests ahead, {klass} admitted below {d.max_admitted}; "

@@ -37,8 +37,8 @@ SETTINGS = AdmissionConfig(overhead_ms=100, prior_rate_per_s=10, min_retry_after
                            reserve_quantile=0.0)
 # Without the ramp (`AdmissionController.ramp_limit`, its own tests: RAMPING), which with nothing
 # served yet holds the classes below critical to 4 in flight while critical work arrives.
-RESERVING = SETTINGS.model_copy(update={"reserve_quantile": 0.99, "reserve_window_s": 10.0, "ramp_growth": 0.0})
-RAMPING = RESERVING.model_copy(update={"ramp_growth": 2.0})
+RESERVING = SETTINGS.model_copy(update={"reserve_quantile": 0.99, "reserve_window_s": 10.0, "ramp_step": 0})
+RAMPING = RESERVING.model_copy(update={"ramp_step": 3})
 
 
 def controller(slo: SloConfig = SLO, settings_: AdmissionConfig = SETTINGS, slots: int = 8) -> AdmissionController:
@@ -674,7 +674,7 @@ def test_under_overload_the_door_settles_where_the_engine_holds_the_slo_not_belo
     slo = SloConfig(e2e_p99_ms=2000, class_share={"critical": 1.0, "standard": 0.9, "sheddable": 0.9})
     # the line's fit alone: the ramp (`ramp_limit`) starts the door low, where this engine's
     # curve is steep, and in this model the door then took longer to climb (below)
-    ctl = AdmissionController(slo, AdmissionConfig(overhead_ms=100, ramp_growth=0.0), slots=16)
+    ctl = AdmissionController(slo, AdmissionConfig(overhead_ms=100, ramp_step=0), slots=16)
     run = overload_at_the_door(ctl, rate=17.7, seconds=60.0, seed=seed)
     best = max(n for n in range(1, 40) if concave(n) <= 0.9 * 1.9)  # standard's share: 16
     capacity = 16 / concave(16)  # 9.5 req/s
@@ -1572,12 +1572,12 @@ def test_within_the_tail_limit_standard_keeps_room_from_sheddable_where_their_sh
     assert ctl.class_cap(D, 60.0) < ctl.class_cap(S, 60.0)
 
 
-def test_the_ramp_holds_the_classes_below_critical_to_twice_the_concurrency_measured_lately() -> None:
-    """Slow start into concurrency the latency model has not measured lately (`ramp_limit`):
-    while critical work arrives, standard and sheddable work are admitted to at most twice the
-    highest concurrency a served request ran at within the last `RAMP_WINDOW_S` (at least
-    `RAMP_MIN`); critical work is never held to it; each completion higher up opens the next
-    step; a lull as long as the window starts it again."""
+def test_the_ramp_holds_the_classes_below_critical_to_a_step_above_the_concurrency_measured_lately() -> None:
+    """Additive increase into concurrency the latency model has not measured lately
+    (`ramp_limit`): while critical work arrives, standard and sheddable work are admitted to at
+    most ``ramp_step`` (3) requests above the highest concurrency a served request ran at within
+    the last `RAMP_WINDOW_S` (at least `RAMP_MIN`); critical work is never held to it; each
+    completion higher up opens the next step; a lull as long as the window starts it again."""
     from policies.admission import RAMP_MIN, RAMP_WINDOW_S
 
     ctl = controller(settings_=RAMPING, slots=16)
@@ -1594,33 +1594,51 @@ def test_the_ramp_holds_the_classes_below_critical_to_twice_the_concurrency_meas
     assert refused.retry_after_s >= 1
     assert ctl.decide(S, 5, at).admitted
     assert ctl.decide(C, 6, at).admitted  # critical work goes past it
-    ctl.observe_completion(2.0, 1.4, 0.2)  # one served at 7 in flight
-    assert ctl.ramp_limit(2.0) == 14
+    ctl.observe_completion(2.0, 1.4, 0.2)  # one served at 7 in flight: 3 more, not twice as many
+    assert ctl.ramp_limit(2.0) == 10
     later = 2.0 + RAMP_WINDOW_S + 0.5
     ctl.decide(C, 0, later)
     assert ctl.measured_reach(later) == 0 and ctl.ramp_limit(later) == RAMP_MIN  # a lull: start again
-    assert controller(settings_=RESERVING).ramp_limit(later) is None  # ramp_growth 0: none
+    assert controller(settings_=RESERVING).ramp_limit(later) is None  # ramp_step 0: none
+    one = controller(settings_=RAMPING.model_copy(update={"ramp_step": 1}), slots=16)
+    one.decide(C, 0, 0.0)
+    one.observe_completion(1.0, 1.4, 0.2)  # served at 7 in flight
+    assert one.ramp_limit(1.0) == 8
     off = controller(settings_=RAMPING.model_copy(update={"reserve_quantile": 0.0}))
     off.decide(C, 0, 0.0)
     assert off.ramp_limit(0.0) is None  # no room kept for critical work at all: nor this
 
 
-def test_in_a_knee_shaped_engine_the_ramp_keeps_critical_work_within_the_slo() -> None:
+def test_in_a_knee_shaped_engine_the_ramp_keeps_critical_work_within_the_slo(monkeypatch: pytest.MonkeyPatch) -> None:
     """The door's model (`bench/door_sim.py`) of the 2-core EPYC, whose latency grows by 0.11 s per
     request to 9 in flight and 0.41 s past it, at 7 req/s after a calm, 20% noise, eight seeds
     pooled: from a calm the door admitted standard and sheddable work up to the caps its line
     extrapolated (13-14 in flight in the first seconds) and critical requests ran late; with the
-    ramp, fewer are late, and no fewer requests are served within the SLO."""
+    ramp, fewer are late, and no fewer requests are served within the SLO. Adding 3 requests a
+    step leaves fewer late than doubling (the ramp's first version), which takes the door past
+    the knee within a completion or two, and serves no fewer (27 critical requests late and
+    3.59 req/s within the SLO without a ramp, 13 and 3.80 doubling, 8 and 4.05 adding 3)."""
     from bench import door_sim
+    from policies.admission import RAMP_MIN, AdmissionController
 
-    def pooled(growth: float) -> dict:
-        setting = door_sim.Setting(shares=(1.0, 0.8, 0.6), ramp_growth=growth)
+    def pooled(step: int) -> dict:
+        setting = door_sim.Setting(shares=(1.0, 0.9, 0.9), ramp_step=step)
         return door_sim.summarize([door_sim.simulate(setting, 7.0, seed, shape="knee", noise=0.2, calm_s=60.0)
                                    for seed in range(1, 9)])
 
-    without, ramp = pooled(0.0), pooled(2.0)
-    assert ramp["critical_late"] < without["critical_late"]
-    assert ramp["goodput_rps"] >= without["goodput_rps"]
+    without, ramp = pooled(0), pooled(3)
+    assert ramp["critical_late"] < without["critical_late"], (ramp, without)
+    assert ramp["goodput_rps"] >= without["goodput_rps"], (ramp, without)
+
+    additive = AdmissionController.ramp_limit
+
+    def doubling(self: AdmissionController, now: float) -> int | None:
+        return None if additive(self, now) is None else max(RAMP_MIN, 2 * self.measured_reach(now))
+
+    monkeypatch.setattr(AdmissionController, "ramp_limit", doubling)
+    doubled = pooled(3)
+    assert ramp["critical_late"] < doubled["critical_late"], (ramp, doubled)
+    assert ramp["goodput_rps"] >= doubled["goodput_rps"], (ramp, doubled)
 
 
 def test_in_the_doors_model_the_door_recovers_from_a_slow_phase(monkeypatch: pytest.MonkeyPatch) -> None:

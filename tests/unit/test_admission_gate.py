@@ -18,7 +18,7 @@ SLO_POLICY = {"level1": LEVEL, "slo": {"e2e_p99_ms": 2000},
               # 10 requests/s, 1.9 s budget: critical cap 19, standard 15, sheddable 11; without the
               # ramp, which with nothing served yet holds the classes below critical to 4 while
               # critical work arrives (its own tests below)
-              "admission": {"prior_rate_per_s": 10, "overhead_ms": 100, "ramp_growth": 0}}
+              "admission": {"prior_rate_per_s": 10, "overhead_ms": 100, "ramp_step": 0}}
 
 
 def gate(policy: dict = SLO_POLICY, refusals: list | None = None) -> AdmissionGate:
@@ -561,27 +561,31 @@ def test_the_state_shows_the_latency_tail_and_the_limit_it_sets() -> None:
 def test_the_ramp_refusal_names_itself_and_the_state_shows_it() -> None:
     clock = FakeClock()
     g = AdmissionGate(max_num_seqs=16, clock=clock)
-    g.configure(parse_policy({**SLO_POLICY, "admission": {**SLO_POLICY["admission"], "ramp_growth": 2}}))
+    g.configure(parse_policy({**SLO_POLICY, "admission": {**SLO_POLICY["admission"], "ramp_step": 3}}))
     assert g.state()["ramp_limit"] is None  # no critical work has arrived
     tickets = fill(g, 4)  # critical work arrives; nothing served yet
     assert g.state()["measured_reach"] == 0 and g.state()["ramp_limit"] == 4
     with pytest.raises(RequestError) as err:
         g.admit("standard")
     assert err.value.status == 429 and err.value.message.startswith(
-        "standard requests are admitted up to twice the load the service was measured at lately"), err.value.message
+        "standard requests are admitted up to 3 requests above the load the service was measured at lately"
+    ), err.value.message
     assert g.refused == {("standard", "class_share_exhausted"): 1}
     clock.advance(0.8)
     for t in tickets:  # served together: four in flight over their lives
         g.release(t, served=True)
-    assert g.state()["measured_reach"] == 4 and g.state()["ramp_limit"] == 8
-    assert [g.admit("standard") for _ in range(8)] and g.in_flight == 8
+    assert g.state()["measured_reach"] == 4 and g.state()["ramp_limit"] == 7
+    assert [g.admit("standard") for _ in range(7)] and g.in_flight == 7
+    with pytest.raises(RequestError, match="3 requests above the load"):  # the ramp again, one step up
+        g.admit("standard")
 
 
-def test_the_ramp_refusal_says_the_configured_growth() -> None:
+def test_the_ramp_refusal_says_the_configured_step() -> None:
     g = AdmissionGate(max_num_seqs=16, clock=FakeClock())
-    g.configure(parse_policy({**SLO_POLICY, "admission": {**SLO_POLICY["admission"], "ramp_growth": 3}}))
+    g.configure(parse_policy({**SLO_POLICY, "admission": {**SLO_POLICY["admission"], "ramp_step": 1}}))
     fill(g, 4)  # critical work arrives; nothing served yet: the floor of 4
     with pytest.raises(RequestError) as err:
         g.admit("standard")
     assert err.value.message.startswith(
-        "standard requests are admitted up to 3 times the load the service was measured at lately"), err.value.message
+        "standard requests are admitted up to 1 request above the load the service was measured at lately"
+    ), err.value.message
