@@ -84,12 +84,12 @@ class Setting:
     shares: tuple[float, float, float] = (1.0, 0.9, 0.75)
     reserve_quantile: float = 0.99
     critical_wait_share: float = 0.1
-    ramp_step: int = AdmissionConfig.model_fields["ramp_step"].default
+    ramp_step: int | None = AdmissionConfig.model_fields["ramp_step"].default  # None: a fifth of the batch
 
     @property
     def label(self) -> str:
         return (f"shares {'/'.join(f'{s:g}' for s in self.shares)}, reserve {self.reserve_quantile:g}, "
-                f"wait {self.critical_wait_share:g}, ramp {self.ramp_step}")
+                f"wait {self.critical_wait_share:g}, ramp {'batch/5' if self.ramp_step is None else self.ramp_step}")
 
 
 def simulate(setting: Setting, rate: float, seed: int, scale: float = 1.0, shape: str = "concave",
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="class_share critical,standard,sheddable (repeat to compare; default 1,0.9,0.75)")
     ap.add_argument("--reserve-quantile", type=float, action="append", default=None)
     ap.add_argument("--ramp-step", type=int, action="append", default=None,
-                    help="admission.ramp_step (repeat to compare; 0: no ramp)")
+                    help="admission.ramp_step (repeat to compare; 0: no ramp; default: a fifth of the batch, 3)")
     ap.add_argument("--calm-s", type=float, default=30.0, help="one request at a time before the load")
     ap.add_argument("--slow", default=None, metavar="FROM,TO,FACTOR",
                     help="the engine FACTOR times slower from FROM to TO seconds into the load")

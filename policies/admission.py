@@ -69,9 +69,10 @@ The rule, and why:
   minute (`ServiceModel`); above both the line is extrapolated, and the first seconds of an
   overload from calm, or after a lull, admitted standard and sheddable work to concurrencies
   that ran far slower than the line said. So while critical work arrives the classes below it
-  are admitted to at most ``admission.ramp_step`` (3) requests above the highest concurrency a
-  served request ran at within `RAMP_WINDOW_S`, at least `RAMP_MIN`: additive increase, each
-  completion higher up opening the next step; critical work keeps its own cap.
+  are admitted to at most ``admission.ramp_step`` (a fifth of the batch, 3 for 16 sequences)
+  requests above the highest concurrency a served request ran at within `RAMP_WINDOW_S`, at
+  least `RAMP_MIN`: additive increase, each completion higher up opening the next step;
+  critical work keeps its own cap.
 - **Critical work at a full door waits for the next freed slot** (`serve_app.admission`): for up
   to ``admission.critical_wait_share`` (0.1) of the SLO, first come first served, before it is
   refused; every release hands its slot to the first in line while critical's cap has room, and
@@ -806,6 +807,11 @@ MAD_TO_SD = 1.4826  # a normal's standard deviation over its median absolute dev
 # of the rule, a floor of 2 cost 2.0 points of the requests within the SLO, 4 cost 1.2).
 RAMP_MIN = 4
 RAMP_WINDOW_S = 10.0
+# Unless the policy sets admission.ramp_step, the step is this share of the batch (the slots of
+# this replica), at least 1: 3 for the 16 sequences of the embedded model's engine, where it was
+# measured (`AdmissionController.ramp_limit`); scaled with the batch, a GPU engine of 256
+# sequences climbs from calm to its batch in about as many completions (not measured on one).
+RAMP_STEP_SHARE = 0.2
 
 
 class ArrivalRate:
@@ -1350,9 +1356,9 @@ class AdmissionController:
     def ramp_limit(self, now: float) -> int | None:
         """While critical work arrives (`ABSENT_WEIGHT`) and room is kept (``reserve_quantile`` >
         0), the most requests in flight at which a class below critical is admitted:
-        ``admission.ramp_step`` (3) more than the concurrency served requests were measured at
-        lately (`measured_reach`), at least `RAMP_MIN`. None otherwise, or with ``ramp_step`` 0
-        (no such limit; critical work is never held to it).
+        `ramp_step` (3 for a batch of 16) more than the concurrency served requests were measured
+        at lately (`measured_reach`), at least `RAMP_MIN`. None otherwise, or with ``ramp_step``
+        0 (no such limit; critical work is never held to it).
 
         The caps come from a line fitted where the service ran lately and from what was measured
         higher up within about a minute (`ServiceModel`); above both the line is extrapolated,
@@ -1379,10 +1385,18 @@ class AdmissionController:
         slow phase within noise. A step of 2 was better still at 7-9 req/s and cost a point of
         the requests within at 2.3 (clumps of arrivals refused); a multiplicative 1.25 cost three
         there."""
-        step = self.settings.ramp_step
+        step = self.ramp_step
         if step <= 0 or self.settings.reserve_quantile <= 0.0 or self._arrivals[0].weight(now) < ABSENT_WEIGHT:
             return None
         return max(RAMP_MIN, self.measured_reach(now) + step)
+
+    @property
+    def ramp_step(self) -> int:
+        """Requests `ramp_limit` admits above the concurrency measured lately: ``admission.ramp_step``,
+        or where the policy leaves it unset `RAMP_STEP_SHARE` of this replica's batch (``slots``),
+        at least 1 (3 for 16 slots). 0: no ramp."""
+        step = self.settings.ramp_step
+        return max(1, round(RAMP_STEP_SHARE * self.slots)) if step is None else step
 
     def retry_after_s(self, ahead: int, cap: int) -> int:
         """``Retry-After`` for a refusal with ``ahead`` in flight and the class admitted below ``cap``."""

@@ -353,12 +353,13 @@ class AdmissionConfig(_Strict):
         "leave room for its latency's tail "
         "(0: no reservation of either kind)",
     )
-    ramp_step: int = Field(
-        default=3, ge=0, le=1000,
+    ramp_step: int | None = Field(
+        default=None, ge=0, le=100_000,
         description="while critical work arrives, the classes below it are admitted to at most this "
         "many requests above the highest concurrency a served request was measured at in the last "
         "10 s (at least 4 in all): additive increase into load the latency model has not measured "
-        "lately (0: no such limit; nor with reserve_quantile 0)",
+        "lately (null: a fifth of the engine's batch per ingress replica, 3 for max_num_seqs 16; "
+        "0: no such limit; nor with reserve_quantile 0)",
     )
     critical_wait_share: float = Field(
         default=0.1, ge=0.0, le=0.5, allow_inf_nan=False,
@@ -398,7 +399,8 @@ class AdmissionConfig(_Strict):
         if isinstance(data, Mapping) and "ramp_growth" in data:
             raise ValueError(
                 f"ramp_growth: {data['ramp_growth']!r}: the ramp's multiplicative growth was replaced by "
-                "ramp_step (requests added above the concurrency measured lately, default 3; 0: no ramp)"
+                "ramp_step (requests added above the concurrency measured lately; default a fifth of the batch, "
+                "0: no ramp)"
             )
         return data
 

@@ -360,7 +360,7 @@ class AdmissionGate:
             why = (f"{klass} requests are shed while more important work alone arrives as fast as the "
                    "service completes requests")
         elif d.limited_by == "ramp" and self.controller is not None:
-            step = self.controller.settings.ramp_step
+            step = self.controller.ramp_step
             why = (f"{klass} requests are admitted up to {step} request{'s' if step != 1 else ''} above the "
                    "load the service was measured at lately while it ramps up, keeping room for critical work")
         else:
@@ -433,6 +433,7 @@ class AdmissionGate:
             # limit it sets the classes below critical while critical work arrives (`ramp_limit`)
             "measured_reach": None if ctl is None else ctl.measured_reach(now),
             "ramp_limit": None if ctl is None else ctl.ramp_limit(now),
+            "ramp_step": None if ctl is None else ctl.ramp_step,
             "admitted": dict(self.admitted),
             "refused": {f"{c}:{r}": n for (c, r), n in sorted(self.refused.items())},
         }

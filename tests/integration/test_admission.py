@@ -66,7 +66,7 @@ def slo_policy(deployed: Cluster, http: httpx.Client) -> Iterator[None]:
 
 @pytest.fixture
 def ramp_policy(deployed: Cluster, http: httpx.Client) -> Iterator[None]:
-    # the caps of `slo_policy`, with the ramp as shipped (admission.ramp_step 3)
+    # the caps of `slo_policy`, with the ramp as shipped (admission.ramp_step unset: a fifth of the batch)
     yield from deploy_admission(deployed, http, {"prior_rate_per_s": 4, "rate_window_s": 60, "overhead_ms": 100},
                                 CAPS)
 
@@ -74,8 +74,8 @@ def ramp_policy(deployed: Cluster, http: httpx.Client) -> Iterator[None]:
 def test_while_critical_work_arrives_the_classes_below_ramp_into_load_not_measured_lately(
         deployed: Cluster, http: httpx.Client, ramp_policy: None) -> None:
     """Standard's share admits it below 6 in flight; with critical work arriving and nothing served
-    lately above one request in flight, the ramp holds it to 4 (3 above what was measured, at
-    least 4): the fifth standard request is refused with a 429 that names the ramp, critical
+    lately above one request in flight, the ramp holds it to 4 (a fifth of the batch above what
+    was measured, at least 4): the fifth standard request is refused with a 429 that names the ramp, critical
     work still gets in, and the state shows the limit."""
     deadline = time.monotonic() + 30
     while admission_state(http)["measured_reach"] > 1:  # what earlier tests ran ages out (10 s)
@@ -83,13 +83,15 @@ def test_while_critical_work_arrives_the_classes_below_ramp_into_load_not_measur
         time.sleep(0.5)
     assert post(deployed, None, 4).status_code == 200  # a critical request: critical work arrives
     state = admission_state(http)
-    assert state["ramp_limit"] == 4 and state["measured_reach"] == 1, state
+    assert state["ramp_limit"] == 4 and state["measured_reach"] == 1 and 1 <= state["ramp_step"] <= 3, state
     before = state["refused"]
     with cf.ThreadPoolExecutor(max_workers=8) as pool:
         held = [pool.submit(post, deployed, "standard", 240) for _ in range(4)]
         wait_in_flight(http, 4, held)
         r = refused(deployed, "standard", 429)
-        assert "admitted up to 3 requests above the load the service was measured at lately" in r.json()["error"]["message"]
+        step = state["ramp_step"]
+        assert (f"admitted up to {step} request{'s' if step > 1 else ''} above the load the service was "
+                "measured at lately") in r.json()["error"]["message"], r.json()
         held.append(pool.submit(post, deployed, None, 8))  # critical work is not held to it
         answers = [f.result() for f in held]
     assert [a.status_code for a in answers] == [200] * 5, [a.text for a in answers if a.status_code != 200]

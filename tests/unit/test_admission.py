@@ -1609,6 +1609,20 @@ def test_the_ramp_holds_the_classes_below_critical_to_a_step_above_the_concurren
     assert off.ramp_limit(0.0) is None  # no room kept for critical work at all: nor this
 
 
+@pytest.mark.parametrize(("slots", "step"), [(1, 1), (4, 1), (16, 3), (64, 13), (256, 51)])
+def test_unset_the_ramps_step_is_a_fifth_of_the_batch(slots: int, step: int) -> None:
+    """Where the policy leaves ``admission.ramp_step`` unset, the step scales with this replica's
+    batch (`RAMP_STEP_SHARE`, at least 1): 3 for the 16 sequences it was measured on, 51 for a
+    GPU engine of 256, which then climbs from calm to its batch in about as many completions."""
+    ctl = controller(settings_=RAMPING.model_copy(update={"ramp_step": None}), slots=slots)
+    assert ctl.ramp_step == step
+    ctl.decide(C, 0, 0.0)
+    ctl.observe_completion(1.0, 1.4, 0.2)  # served at 7 in flight
+    assert ctl.ramp_limit(1.0) == max(4, 7 + step)
+    assert AdmissionConfig().ramp_step is None  # unset by default
+    assert controller(settings_=RAMPING.model_copy(update={"ramp_step": 0}), slots=slots).ramp_step == 0
+
+
 def test_in_a_knee_shaped_engine_the_ramp_keeps_critical_work_within_the_slo(monkeypatch: pytest.MonkeyPatch) -> None:
     """The door's model (`bench/door_sim.py`) of the 2-core EPYC, whose latency grows by 0.11 s per
     request to 9 in flight and 0.41 s past it, at 7 req/s after a calm, 20% noise, eight seeds

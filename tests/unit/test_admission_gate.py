@@ -562,7 +562,7 @@ def test_the_ramp_refusal_names_itself_and_the_state_shows_it() -> None:
     clock = FakeClock()
     g = AdmissionGate(max_num_seqs=16, clock=clock)
     g.configure(parse_policy({**SLO_POLICY, "admission": {**SLO_POLICY["admission"], "ramp_step": 3}}))
-    assert g.state()["ramp_limit"] is None  # no critical work has arrived
+    assert g.state()["ramp_limit"] is None and g.state()["ramp_step"] == 3  # no critical work has arrived
     tickets = fill(g, 4)  # critical work arrives; nothing served yet
     assert g.state()["measured_reach"] == 0 and g.state()["ramp_limit"] == 4
     with pytest.raises(RequestError) as err:
