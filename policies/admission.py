@@ -801,10 +801,11 @@ MAD_TO_SD = 1.4826  # a normal's standard deviation over its median absolute dev
 # While critical work arrives, the classes below it are admitted to at most admission.ramp_step
 # requests above the highest concurrency a served request was measured at within RAMP_WINDOW_S,
 # and at least to RAMP_MIN (`AdmissionController.ramp_limit`): additive increase into concurrency
-# the latency model has not measured lately. 10 s: a few latencies, so the limit follows a run of load that
-# lasts, and a lull of that long starts the ramp again; 4: a door at one or two in flight admits
-# a clump of a few without refusing it (in the door's model at 2.5 req/s, with an earlier variant
-# of the rule, a floor of 2 cost 2.0 points of the requests within the SLO, 4 cost 1.2).
+# the latency model has not measured lately. 10 s: a few latencies, so the limit follows a run of
+# load that lasts, and a lull of that long starts the ramp again; 4: a door at one or two in
+# flight admits a clump of a few without refusing it (in the door's model at 2.5 req/s, with an
+# earlier variant of the rule, a floor of 2 cost 2.0 points of the requests within the SLO, 4
+# cost 1.2).
 RAMP_MIN = 4
 RAMP_WINDOW_S = 10.0
 # Unless the policy sets admission.ramp_step, the step is this share of the batch (the slots of
