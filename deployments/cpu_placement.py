@@ -218,10 +218,14 @@ class Isolation:
                 "engine_pids": list(self.engine_pids), "moved_processes": len(self.moved)}
 
 
-def isolate(setting: str, engine_threads: int, on_cpu: bool, replica: int | None = None) -> Isolation:
+def isolate(setting: str, engine_threads: int, on_cpu: bool, replica: int | None = None,
+            engine_pids: Sequence[int] | None = None) -> Isolation:
     """Keep the replica's engine-core process on its CPUs and its Ray node's other processes
     off them (see the module docstring). Call from the model replica once the engine started;
-    ``replica``: its pid (default: this process)."""
+    ``replica``: its pid (default: this process); ``engine_pids``: its engine-core processes as
+    vLLM knows them (`LLMEngine.engine_core_pids`; those that are not the replica's children are
+    left out). Without them, the replica's children titled ``VLLM::EngineCore``: the title is
+    set by setproctitle in the engine-core process, and in CI it once did not take."""
     if not on_cpu:
         return Isolation(None, "the engine does not compute on CPU")
     if not os.path.isdir("/proc") or not hasattr(os, "sched_setaffinity"):
@@ -232,7 +236,8 @@ def isolate(setting: str, engine_threads: int, on_cpu: bool, replica: int | None
         return Isolation(None, reason, node=node)
     me = os.getpid() if replica is None else replica
     parents = parent_map()
-    engines = children_named(parents, me, ENGINE_COMM)
+    engines = (sorted(p for p in set(engine_pids) if parents.get(p) == me) if engine_pids
+               else children_named(parents, me, ENGINE_COMM))
     if not engines:
         return Isolation(None, "no engine-core process found under this replica", node=node)
     raylet = parents.get(me, -1)
@@ -240,8 +245,11 @@ def isolate(setting: str, engine_threads: int, on_cpu: bool, replica: int | None
     moved = []
     for pid in sorted(descendants(parents, root)):
         # every engine-core stays where it is: ours is placed below, another replica's (one being
-        # replaced, say) must not land on the cores the rest of the node shares
-        if process_name(pid) != ENGINE_COMM and set_process_cpus(pid, placement.service):
+        # replaced, say) must not land on the cores the rest of the node shares. Another's is
+        # known by its title or, where the title did not take, by running alone on the engine's
+        # CPUs, where only an isolation puts a process
+        if (pid not in engines and process_name(pid) != ENGINE_COMM
+                and process_cpus(pid) != placement.engine and set_process_cpus(pid, placement.service)):
             moved.append(pid)
     for pid in engines:
         set_process_cpus(pid, placement.engine)

@@ -501,6 +501,17 @@ class LLMEngine:
         except Exception:  # noqa: BLE001 - the request is gone either way; keep the caller's error
             logger.warning("abort of request %s failed", request_id, exc_info=True)
 
+    def engine_core_pids(self) -> list[int]:
+        """The PIDs of the engine-core processes vLLM started for this engine (its process
+        manager's ``processes``); [] before `start`, after `shutdown`, or where vLLM runs its
+        engine core elsewhere (in this process, or as Ray actors). Asked of vLLM rather than found
+        by the title it gives the process (``VLLM::EngineCore``, set with setproctitle): in CI
+        that title once failed to take, and the process kept multiprocessing's name."""
+        engine = self._engine
+        manager = getattr(getattr(getattr(engine, "engine_core", None), "resources", None), "engine_manager", None)
+        procs = getattr(manager, "processes", None) or []
+        return sorted(p.pid for p in procs if getattr(p, "pid", None))
+
     def on_cpu(self) -> bool:
         """Whether vLLM computes on CPU here (its platform, known once it is imported)."""
         from vllm.platforms import current_platform

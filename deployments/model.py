@@ -111,7 +111,8 @@ class VLLMModel:
         # A CPU engine's cores to itself (deployments/cpu_placement.py): only for an engine this
         # replica built, whose engine-core process is its child.
         self.cpu_isolation = (
-            isolate(self.settings.cpu_isolation, compute_threads(), self.engine.on_cpu())
+            isolate(self.settings.cpu_isolation, compute_threads(), self.engine.on_cpu(),
+                    engine_pids=self.engine.engine_core_pids())
             if engine is None else Isolation(None, "engine supplied by the caller"))
         if reports is None:  # through this node's reporter, batched with its neighbours'
             from deployments.node_reporter import report_link
@@ -247,6 +248,7 @@ class VLLMModel:
             **asdict(self.engine.stats()),
             "dropped_late": self.dropped_late,
             "engine_alive": not self.engine.errored,
+            "engine_core_pids": self.engine.engine_core_pids(),
             "engine_failures": self.engine_failures,
             "cpu_isolation": self.cpu_isolation.describe(),
             "gpu": {"available": gpu.available, "reason": gpu.reason, "read_errors": self.gpu.read_errors,

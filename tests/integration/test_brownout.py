@@ -337,6 +337,7 @@ def test_the_cpu_engine_keeps_its_cores(deployed: Cluster, http: httpx.Client) -
     # the replica has num_cpus 1, so Ray gives it (and its engine) one compute thread
     assert engine == node[-1:] and service == node[:-1], iso
     assert len(iso["engine_pids"]) == 1 and psutil.Process(iso["engine_pids"][0]).ppid() == stats["pid"]
+    assert iso["engine_pids"] == stats["engine_core_pids"]  # the process vLLM says it started
     assert _threads_on(iso["engine_pids"][0]) == {engine}
     replica = psutil.Process(stats["pid"])
     raylet = replica.parent()

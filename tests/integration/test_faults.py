@@ -1,7 +1,7 @@
 """Faults injected into a real deployment: vLLM's engine-core process killed inside the model replica.
 
 The model replica's PID comes from the replica itself (``stats()["pid"]``); its engine-core is
-the child process vLLM names ``VLLM::EngineCore``, found with psutil and killed by PID (only that
+the child process vLLM started for its engine core (the replica's ``engine_core_pids``), killed by PID (only that
 process). What must hold: no client ever sees a plain-text 500; while the engine is dead and
 while its replacement starts, clients get 503 in OpenAI's JSON with ``Retry-After`` and the level
 header; a stream cut by the death ends with an OpenAI-shaped ``error`` event and ``data: [DONE]``;
@@ -23,7 +23,7 @@ import httpx
 import psutil
 import pytest
 
-from deployments.cpu_placement import ENGINE_COMM, process_name
+from deployments.cpu_placement import process_name
 from tests.integration.conftest import Cluster, model_stats, wait_running
 
 pytestmark = pytest.mark.integration
@@ -32,11 +32,11 @@ RECOVERY_BOUND_S = 240
 
 
 def engine_core_pid() -> tuple[int, int]:
-    """(the model replica's PID, its VLLM::EngineCore child's PID)."""
-    replica = model_stats()["pid"]
-    cores = _engine_cores(replica)
-    assert len(cores) == 1, [(p.pid, _names(p)) for p in psutil.Process(replica).children(recursive=True)]
-    return replica, cores[0].pid
+    """(the model replica's PID, its engine-core child's PID)."""
+    stats = model_stats()
+    replica, cores = stats["pid"], _engine_cores(stats)
+    assert len(cores) == 1, (stats.get("engine_core_pids"), _children(replica))
+    return replica, cores[0]
 
 
 def new_engine_core_pid(old_replica: int, within_s: float = 60.0) -> tuple[int, int]:
@@ -46,28 +46,37 @@ def new_engine_core_pid(old_replica: int, within_s: float = 60.0) -> tuple[int, 
     a replica with no engine core under it)."""
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
-        replica = model_stats()["pid"]
-        cores = _engine_cores(replica) if replica != old_replica else []
+        stats = model_stats()
+        cores = _engine_cores(stats) if stats["pid"] != old_replica else []
         if len(cores) == 1:
-            return replica, cores[0].pid
+            return stats["pid"], cores[0]
         time.sleep(1.0)
     return engine_core_pid()  # its assertion names what is there
 
 
-def _engine_cores(replica: int) -> list[psutil.Process]:
-    """The replica's children that vLLM titled its engine core, matched on /proc/<pid>/comm (which
-    setproctitle sets too) as `deployments.cpu_placement` finds them. Not on the cmdline: in CI a
-    replacement replica that had already served showed, besides the resource tracker, one child
-    whose cmdline was still multiprocessing's ``spawn_main`` command; psutil's ``name()`` of such a
-    process is the truncated comm "VLLM::EngineCor", which does not contain "EngineCore"."""
-    return [p for p in psutil.Process(replica).children(recursive=True) if process_name(p.pid) == ENGINE_COMM]
+def _engine_cores(stats: dict) -> list[int]:
+    """The engine-core processes vLLM says it started for the replica (its ``engine_core_pids``)
+    that are alive children of that replica. Not found by vLLM's ``VLLM::EngineCore`` title: in
+    CI the title once did not take, and the engine core kept multiprocessing's name and command."""
+    out = []
+    for pid in stats.get("engine_core_pids", []):
+        try:
+            if psutil.Process(pid).ppid() == stats["pid"]:
+                out.append(pid)
+        except psutil.Error:
+            continue
+    return out
 
 
-def _names(p: psutil.Process) -> list[str]:
-    try:
-        return [process_name(p.pid), *p.cmdline()]
-    except psutil.Error:
-        return []
+def _children(replica: int) -> list[tuple[int, list[str]]]:
+    """What runs under the replica, for an assertion's message."""
+    out = []
+    for p in psutil.Process(replica).children(recursive=True):
+        try:
+            out.append((p.pid, [process_name(p.pid), *p.cmdline()]))
+        except psutil.Error:
+            continue
+    return out
 
 
 def _chat(max_tokens: int = 4, **kw: object) -> dict[str, object]:

@@ -165,6 +165,30 @@ def test_isolate_then_release_on_real_processes() -> None:
 
 
 @needs_two_cpus
+def test_isolate_takes_the_engine_pids_vllm_gives_where_the_title_did_not_take() -> None:
+    """The engine-core child keeps its interpreter's name (setproctitle did not take, as once in
+    CI): the pid vLLM reports places it; a pid that is not the replica's child is left out; a
+    process of the tree alone on the engine's CPUs (another replica's engine, untitled) stays."""
+    node = cp.node_cpus()
+    untitled = FAKE_REPLICA.replace(repr(FAKE_ENGINE), repr("import time; time.sleep(60)"))
+    proc = subprocess.Popen([sys.executable, "-c", untitled], stdout=subprocess.PIPE, text=True)
+    engine, other = (int(x) for x in proc.stdout.readline().split())
+    try:
+        assert cp.process_name(engine) != cp.ENGINE_COMM
+        assert cp.isolate("auto", 1, on_cpu=True, replica=proc.pid).placement is None  # by title: none
+        assert cp.isolate("auto", 1, on_cpu=True, replica=proc.pid, engine_pids=[os.getpid()]).placement is None
+        cp.set_process_cpus(other, node[-1:])  # as an isolation before this one left another engine
+        iso = cp.isolate("auto", 1, on_cpu=True, replica=proc.pid, engine_pids=[engine, os.getpid()])
+        assert iso.describe()["active"] and iso.engine_pids == [engine], iso.describe()
+        assert _threads_on(engine) == {iso.placement.engine} == {node[-1:]}
+        assert _threads_on(other) == {node[-1:]} and other not in iso.moved
+        assert iso.moved == [proc.pid] and _threads_on(proc.pid) == {iso.placement.service}
+        cp.release(iso)
+    finally:
+        _end(proc, engine, other)
+
+
+@needs_two_cpus
 def test_release_waits_for_another_engine_and_leaves_what_someone_else_moved() -> None:
     node = cp.node_cpus()
     placement = Placement(engine=node[-1:], service=node[:-1])
