@@ -262,14 +262,17 @@ def release(iso: Isolation) -> int:
     """Give the node's CPUs back to every process of the Ray node (the raylet's tree) that is
     on the rest-of-the-node CPUs: those `isolate` moved and those started since, which inherited
     them. Not while another engine-core process of the same tree still runs alone on the
-    engine's CPUs (a replacement replica that started first); a process whose CPUs changed
-    otherwise is left as it is. Returns how many processes got the node's CPUs back."""
+    engine's CPUs (a replacement replica that started first): known by running alone on them,
+    where only an isolation puts a process, titled ``VLLM::EngineCore`` or not (the title may
+    not take: `isolate`); a process whose CPUs changed otherwise is left as it is. Returns how
+    many processes got the node's CPUs back."""
     p = iso.placement
     if p is None or iso.root is None:
         return 0
-    tree = descendants(parent_map(), iso.root)
-    others = [pid for pid in sorted(tree)
-              if pid not in iso.engine_pids and process_name(pid) == ENGINE_COMM and process_cpus(pid) == p.engine]
+    parents = parent_map()
+    tree = descendants(parents, iso.root)
+    ours = set().union(*(descendants(parents, pid) for pid in iso.engine_pids))  # with their children
+    others = [pid for pid in sorted(tree) if pid not in ours and process_cpus(pid) == p.engine]
     if others:
         logger.info("CPU isolation kept: engine-core %s still runs on CPUs %s", others, list(p.engine))
         return 0

@@ -183,7 +183,10 @@ def test_isolate_takes_the_engine_pids_vllm_gives_where_the_title_did_not_take()
         assert _threads_on(engine) == {iso.placement.engine} == {node[-1:]}
         assert _threads_on(other) == {node[-1:]} and other not in iso.moved
         assert iso.moved == [proc.pid] and _threads_on(proc.pid) == {iso.placement.service}
-        cp.release(iso)
+        assert cp.release(iso) == 0  # the other untitled engine still runs alone on those CPUs
+        cp.set_process_cpus(other, node)
+        assert cp.release(iso) == 1 and _threads_on(proc.pid) == {node}  # ours stays, it is ours
+        assert _threads_on(engine) == {node[-1:]}
     finally:
         _end(proc, engine, other)
 
@@ -203,12 +206,16 @@ def test_release_waits_for_another_engine_and_leaves_what_someone_else_moved() -
                            root=replica.pid)
         assert cp.release(iso) == 0
         assert _threads_on(bystander) == {placement.service}
-        # that engine gone from the engine's CPUs, and the bystander moved by someone else since:
-        # only the replica, still on the rest-of-node CPUs, gets the node's back
+        # that engine gone from the engine's CPUs, and an untitled process alone on them (an
+        # engine whose title did not take): still nothing given back
         cp.set_process_cpus(engine, node)
         cp.set_process_cpus(bystander, placement.engine)
+        assert cp.release(iso) == 0 and _threads_on(replica.pid) == {placement.service}
+        # the bystander moved by someone else since: only the replica, still on the rest-of-node
+        # CPUs, gets the node's back
+        cp.set_process_cpus(bystander, node)
         assert cp.release(iso) == 1
-        assert _threads_on(replica.pid) == {node} and _threads_on(bystander) == {placement.engine}
+        assert _threads_on(replica.pid) == {node} and _threads_on(bystander) == {node}
     finally:
         _end(replica, engine, bystander)
 
