@@ -506,7 +506,11 @@ class LLMEngine:
         manager's ``processes``); [] before `start`, after `shutdown`, or where vLLM runs its
         engine core elsewhere (in this process, or as Ray actors). Asked of vLLM rather than found
         by the title it gives the process (``VLLM::EngineCore``, set with setproctitle): in CI
-        that title once failed to take, and the process kept multiprocessing's name."""
+        that title once failed to take, and the process kept multiprocessing's name.
+        setproctitle finds the process's command line by walking back from its first
+        environment variable, and where the process changed that variable before (its
+        environment is the replica's, in the replica's order), it changes nothing, not even
+        ``/proc/<pid>/comm`` (reproduced with a spawned process that changes it first)."""
         engine = self._engine
         manager = getattr(getattr(getattr(engine, "engine_core", None), "resources", None), "engine_manager", None)
         procs = getattr(manager, "processes", None) or []
