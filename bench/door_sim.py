@@ -19,7 +19,12 @@ settings at once:
   engine's speed drifts as a random walk every 5 s (``--drift``), within 0.75-1.4;
 - a slow phase (``--slow FROM,TO,FACTOR``): the engine ``FACTOR`` times slower from ``FROM``
   to ``TO`` seconds into the load (a noisy neighbour); the report then adds the share of the
-  requests sent after it that were within the SLO (how fast the door recovers);
+  requests sent after it that were within the SLO (how fast the door recovers), and of those
+  sent during it the shares refused and late;
+- the engine's slowdown told to the door (``--speed-lag S``): the slow phase's factor, ``S``
+  seconds late (`AdmissionController.set_speed`; on the service the model replicas measure it
+  from the engine's steps, `policies.engine_speed`, and the ingress reads it every second), an
+  oracle of the slow phase only (the drift below is left to the door to learn);
 - the gate's critical wait (`serve_app.admission`: a critical request at a full door waits up to
   ``critical_wait_share`` of the SLO for a freed slot, unless critical work alone saturates the
   server: `AdmissionController.saturated_by`); a request is on time when its latency
@@ -85,11 +90,13 @@ class Setting:
     reserve_quantile: float = 0.99
     critical_wait_share: float = 0.1
     ramp_step: int | None = AdmissionConfig.model_fields["ramp_step"].default  # None: a fifth of the batch
+    speed_lag_s: float | None = None  # the slow phase's factor told to the door this late; None: not told
 
     @property
     def label(self) -> str:
         return (f"shares {'/'.join(f'{s:g}' for s in self.shares)}, reserve {self.reserve_quantile:g}, "
-                f"wait {self.critical_wait_share:g}, ramp {'batch/5' if self.ramp_step is None else self.ramp_step}")
+                f"wait {self.critical_wait_share:g}, ramp {'batch/5' if self.ramp_step is None else self.ramp_step}"
+                + ("" if self.speed_lag_s is None else f", speed {self.speed_lag_s:g} s late"))
 
 
 def simulate(setting: Setting, rate: float, seed: int, scale: float = 1.0, shape: str = "concave",
@@ -101,7 +108,8 @@ def simulate(setting: Setting, rate: float, seed: int, scale: float = 1.0, shape
 
     ``slow``: ``(from_s, to_s, factor)``, the engine ``factor`` times slower from ``from_s`` to
     ``to_s`` into the load (a noisy neighbour); ``after_slow`` then counts the requests sent
-    after it (offered, on time)."""
+    after it (offered, on time) and ``during_slow`` those sent during it (offered, refused,
+    late). ``setting.speed_lag_s``: tell the door the slow phase's factor this many seconds late."""
     slo = SloConfig(e2e_p99_ms=slo_ms, class_share=dict(zip((c.value for c in CLASSES), setting.shares)))
     ctl = AdmissionController(slo, AdmissionConfig(overhead_ms=100, reserve_quantile=setting.reserve_quantile,
                                                    critical_wait_share=setting.critical_wait_share,
@@ -126,6 +134,10 @@ def simulate(setting: Setting, rate: float, seed: int, scale: float = 1.0, shape
     counts = {c: {"offered": 0, "refused": 0, "late": 0, "on_time": 0} for c in CLASSES}
     in_flight: list[int] = []
     after_slow = {"offered": 0, "on_time": 0}
+    during_slow = {"offered": 0, "refused": 0, "late": 0}
+
+    def slow_at(x: float) -> float:
+        return slow[2] if slow is not None and slow[0] <= x - start < slow[1] else 1.0
 
     def start_request(arrived: float, klass: Criticality, now: float) -> None:
         running.append([arrived, 0.0, math.exp(rng.gauss(0.0, noise)), share.mark(now, len(running) + 1), klass])
@@ -133,10 +145,14 @@ def simulate(setting: Setting, rate: float, seed: int, scale: float = 1.0, shape
     def after(arrived: float) -> bool:
         return slow is not None and arrived - start >= slow[1]
 
+    def during(arrived: float) -> bool:
+        return slow is not None and slow[0] <= arrived - start < slow[1]
+
     while t < end + 3.0 * slo_s:
         t += dt
-        if slow is not None:
-            slowed = slow[2] if slow[0] <= t - start < slow[1] else 1.0
+        slowed = slow_at(t)
+        if setting.speed_lag_s is not None:
+            ctl.set_speed(slow_at(t - setting.speed_lag_s), t)
         if t >= next_drift:
             speed = min(1.4, max(0.75, speed * math.exp(rng.gauss(0.0, drift))))
             next_drift = t + 5.0
@@ -149,28 +165,31 @@ def simulate(setting: Setting, rate: float, seed: int, scale: float = 1.0, shape
                 on_time = t - r[0] + outside_s <= slo_s
                 counts[r[4]]["on_time" if on_time else "late"] += 1
                 after_slow["on_time"] += on_time and after(r[0])
+                during_slow["late"] += (not on_time) and during(r[0])
             for r in running:
                 r[1] += step
         while line and len(running) < ctl.class_cap(Criticality.CRITICAL, t):  # a freed slot
             start_request(line.pop(0), Criticality.CRITICAL, t)
         while line and t - line[0] > wait_s:  # waited its share: refused
-            line.pop(0)
+            during_slow["refused"] += during(line.pop(0))
             counts[Criticality.CRITICAL]["refused"] += 1
         while arrive <= t and arrive < end:
             klass = rng.choices(CLASSES, weights=mix)[0]
             counts[klass]["offered"] += 1
             after_slow["offered"] += after(arrive)
+            during_slow["offered"] += during(arrive)
             if ctl.decide(klass, len(running) + len(line), arrive).admitted:
                 start_request(arrive, klass, arrive)
             elif klass is Criticality.CRITICAL and wait_s > 0 and not ctl.saturated_by(klass, arrive):
                 line.append(arrive)
             else:
                 counts[klass]["refused"] += 1
+                during_slow["refused"] += during(arrive)
             arrive += rng.expovariate(rate)
         if start <= t < end:
             in_flight.append(len(running))
     return {"counts": {c.value: v for c, v in counts.items()}, "in_flight_median": statistics.median(in_flight),
-            "seconds": seconds, "after_slow": after_slow}
+            "seconds": seconds, "after_slow": after_slow, "during_slow": during_slow}
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -186,6 +205,10 @@ def summarize(runs: list[dict]) -> dict:
         "after_slow_within": round(sum(r["after_slow"]["on_time"] for r in runs) / after, 4),
         "after_slow_by_seed": [round(r["after_slow"]["on_time"] / max(1, r["after_slow"]["offered"]), 3)
                                for r in runs],
+        "during_slow_refused": round(sum(r["during_slow"]["refused"] for r in runs)
+                                     / max(1, sum(r["during_slow"]["offered"] for r in runs)), 4),
+        "during_slow_late": round(sum(r["during_slow"]["late"] for r in runs)
+                                  / max(1, sum(r["during_slow"]["offered"] for r in runs)), 4),
     }
     return {
         "goodput_rps": round(on_time / seconds, 3),
@@ -231,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calm-s", type=float, default=30.0, help="one request at a time before the load")
     ap.add_argument("--slow", default=None, metavar="FROM,TO,FACTOR",
                     help="the engine FACTOR times slower from FROM to TO seconds into the load")
+    ap.add_argument("--speed-lag", type=float, action="append", default=None, metavar="S",
+                    help="tell the door the slow phase's factor S seconds late (repeat to compare; "
+                    "a negative S: not told, the default)")
     ap.add_argument("--seconds", type=float, default=60.0, help="seconds of load")
     ap.add_argument("--seeds", type=int, default=8)
     ap.add_argument("--noise", type=float, default=0.1)
@@ -239,9 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     default_ramp = Setting().ramp_step
     settings = [Setting(shares=tuple(float(x) for x in s.split(",")), reserve_quantile=q,  # type: ignore[arg-type]
-                        ramp_step=g)
+                        ramp_step=g, speed_lag_s=None if lag < 0 else lag)
                 for s in (args.shares or ["1,0.9,0.75"]) for q in (args.reserve_quantile or [0.99])
-                for g in (args.ramp_step or [default_ramp])]
+                for g in (args.ramp_step or [default_ramp]) for lag in (args.speed_lag or [-1.0])]
     for s in settings:
         if len(s.shares) != 3:
             ap.error(f"--shares: need three values critical,standard,sheddable, got {s.shares}")
@@ -269,8 +295,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"critical {row['critical_within_slo']:.3f} ({row['critical_refused']} refused, "
                   f"{row['critical_late']} late of {row['critical_offered']})  late {row['late_share']:.3f}  "
                   f"shed {row['shed']}  in flight {row['in_flight_median']:g}"
-                  + (f"  after the slow phase {row['after_slow_within']:.3f} {row['after_slow_by_seed']}"
-                     if slow else ""))
+                  + (f"  after the slow phase {row['after_slow_within']:.3f}, during it refused "
+                     f"{row['during_slow_refused']:.3f} late {row['during_slow_late']:.3f}" if slow else ""))
     if args.json:
         meta = {"command": "bench/door_sim.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                 "seeds": args.seeds, "noise": args.noise, "drift": args.drift, "calm_s": args.calm_s,

@@ -1444,11 +1444,13 @@ class Neighbour:
             self._thread.join()
 
     def report(self, records: Sequence[Any], slo_ms: float) -> dict[str, Any]:
-        """The neighbour's phase and, for the requests sent after it, the run's figures
-        (`report.summarize`, overall and per class)."""
+        """The neighbour's phase and, for the requests sent during it and after it, the run's
+        figures (`report.summarize`, overall and per class)."""
         after = [r for r in records if r.sent_s is not None and r.sent_s >= self.to_s]
+        during = [r for r in records if r.sent_s is not None and self.from_s <= r.sent_s < self.to_s]
         span = max((r.sent_s for r in after), default=self.to_s) - self.to_s
         return {"from_s": self.from_s, "to_s": self.to_s, "procs": self.procs, "ran_s": self.ran,
+                "during": rep.summarize(during, slo_ms, self.to_s - self.from_s),
                 "after": rep.summarize(after, slo_ms, span), "after_by_class": rep.per_class(after, slo_ms, span)}
 
 
@@ -1491,6 +1493,9 @@ def single(args: argparse.Namespace) -> int:
     if neighbour is not None:
         run["neighbour"] = neighbour.report(bench.last_records, plan.slo.slo_ms)
         a = run["neighbour"]["after"]
+        d = run["neighbour"]["during"]
+        log(f"  during the neighbour: {d.get('requests')} sent, {d.get('good_ratio')} within the SLO, "
+            f"{d.get('shed_ratio')} refused, statuses {d.get('status_counts')}")
         log(f"  after the neighbour (sent from {neighbour.to_s:g} s): {a.get('good_ratio')} within the SLO, "
             f"per class {({c: v.get('good_ratio') for c, v in run['neighbour']['after_by_class'].items()})}")
     out_dir = Path(args.out_dir)

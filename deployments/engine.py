@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from deployments.cpu_placement import check_setting
 from deployments.window import SlidingWindow
+from policies.engine_speed import EngineSpeed
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -214,7 +215,9 @@ class EngineStats:
     requests that finished within the sliding window (TTFT: that produced a first token) and
     are ``None`` when there are none. ``requests_total`` counts requests handed to vLLM since
     start (not those refused for bad sampling arguments); ``aborted_total`` those of them
-    aborted because their consumer stopped early.
+    aborted because their consumer stopped early. ``slowdown``: how many times slower the
+    engine steps now than it did lately at the same batch (`policies.engine_speed`; 1 until
+    it has stepped).
     """
 
     num_running_reqs: int
@@ -228,6 +231,7 @@ class EngineStats:
     avg_latency_ms: float | None
     requests_total: int
     aborted_total: int
+    slowdown: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -239,11 +243,14 @@ class _SchedulerSnapshot:
 
 def _make_stat_logger_factory(
     sink: Callable[[_SchedulerSnapshot], None],
+    step_sink: Callable[[list[float], int], None] | None = None,
 ) -> Callable[[Any, int], Any]:
-    """A vLLM per-engine stat logger factory whose loggers hand each step's stats to ``sink``.
+    """A vLLM per-engine stat logger factory whose loggers hand each step's stats to ``sink``,
+    and its iteration's inter-token latencies (seconds, the engine core's timestamps) and
+    prompt tokens to ``step_sink``.
 
     vLLM calls ``record`` from ``AsyncLLM``'s output-handler task, on the engine's event loop,
-    each time the engine core sends outputs (about once per step while busy); so ``sink`` needs
+    each time the engine core sends outputs (about once per step while busy); so the sinks need
     no lock.
     """
     from vllm.v1.metrics.loggers import StatLoggerBase
@@ -261,6 +268,8 @@ def _make_stat_logger_factory(
             mm_cache_stats: Any = None,
             engine_idx: int = 0,
         ) -> None:
+            if iteration_stats is not None and step_sink is not None:
+                step_sink(list(iteration_stats.inter_token_latencies_iter), int(iteration_stats.num_prompt_tokens))
             if scheduler_stats is None:
                 return
             sink(
@@ -306,6 +315,7 @@ class LLMEngine:
         self._inflight = 0
         self._requests_total = 0
         self._aborted_total = 0
+        self.speed = EngineSpeed()  # the steps' time now over lately (`stats().slowdown`)
 
     @property
     def started(self) -> bool:
@@ -361,7 +371,7 @@ class LLMEngine:
             # Only our stat logger: vLLM's own logging one is not needed.
             disable_log_stats=True,
         )
-        factory = _make_stat_logger_factory(self._on_scheduler_stats)
+        factory = _make_stat_logger_factory(self._on_scheduler_stats, self._on_step)
         self._engine = AsyncLLM.from_engine_args(args, stat_loggers=[factory])
         self._tokenizer = self._engine.get_tokenizer()
 
@@ -486,6 +496,7 @@ class LLMEngine:
             avg_latency_ms=self._latency_ms.mean(),
             requests_total=self._requests_total,
             aborted_total=self._aborted_total,
+            slowdown=round(self.speed.slowdown(self._clock()), 3),
         )
 
     # --- internals --------------------------------------------------------------------------
@@ -494,6 +505,9 @@ class LLMEngine:
         if snapshot.num_waiting_reqs != self._scheduler.num_waiting_reqs:
             self.waiting_changes.append((time.time(), snapshot.num_waiting_reqs))
         self._scheduler = snapshot
+
+    def _on_step(self, itls_s: list[float], prompt_tokens: int) -> None:
+        self.speed.observe(self._clock(), itls_s, prompt_tokens)
 
     async def _abort(self, engine: AsyncLLM, request_id: str) -> None:
         try:

@@ -262,12 +262,16 @@ class VLLMModel:
         return list(self.engine.waiting_changes)
 
     async def health(self) -> dict[str, Any]:
-        """What ``check_health`` finds, as a value (the ingress probes it): ``{"ok": bool, "reason"}``."""
+        """What ``check_health`` finds, as a value (the ingress probes it): ``{"ok": bool, "reason",
+        "pid", "slowdown"}``; ``slowdown``: how many times slower the engine steps now than it
+        did lately at the same batch (`policies.engine_speed`), which the ingress's admission
+        predicts with."""
+        slowdown = self.engine.stats().slowdown
         try:
             await self.engine.check_health()
         except EngineError as err:
-            return {"ok": False, "reason": str(err), "pid": os.getpid()}
-        return {"ok": True, "reason": None, "pid": os.getpid()}
+            return {"ok": False, "reason": str(err), "pid": os.getpid(), "slowdown": slowdown}
+        return {"ok": True, "reason": None, "pid": os.getpid(), "slowdown": slowdown}
 
     async def check_health(self) -> None:
         """Serve's health check: vLLM's own. A dead engine fails it, and Serve replaces the replica."""

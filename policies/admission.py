@@ -172,6 +172,7 @@ Wiring (the ingress)::
 
 from __future__ import annotations
 
+import bisect
 import collections
 import enum
 import math
@@ -290,6 +291,75 @@ class ShareClock:
             self._at = now
         self._n = max(0, in_flight)
         return self.value
+
+
+class SpeedClock:
+    """The engine's slowdown over time (`set`), so that a request's mean slowdown over its life is
+    known at its completion (`mean`): ``F(t) = integral of f(t) dt``, with ``f`` piecewise
+    constant between the values set and 1 before the first. Breakpoints older than ``keep_s``
+    are forgotten (a span starting before the oldest kept reads the value before it, the last
+    one forgotten)."""
+
+    __slots__ = ("keep_s", "_points", "_before")
+
+    def __init__(self, keep_s: float = 600.0) -> None:
+        self.keep_s = float(keep_s)
+        self._points: collections.deque[tuple[float, float, float]] = collections.deque()  # (t, F(t), f from t)
+        self._before = 1.0  # the slowdown before the oldest breakpoint kept
+
+    @property
+    def value(self) -> float:
+        """The slowdown in force: the latest set, 1 before any."""
+        return self._points[-1][2] if self._points else 1.0
+
+    def set(self, now: float, slowdown: float) -> None:
+        """From ``now`` on the engine is ``slowdown`` times slower than the model's measure."""
+        if self._points and now < self._points[-1][0]:
+            now = self._points[-1][0]  # a late timestamp counts from the latest breakpoint
+        self._points.append((now, self._integral(now), float(slowdown)))
+        while len(self._points) > 1 and now - self._points[1][0] > self.keep_s:
+            self._before = self._points.popleft()[2]
+
+    def _integral(self, t: float) -> float:
+        if not self._points:
+            return t
+        i = bisect.bisect_right(self._points, t, key=lambda p: p[0]) - 1
+        if i < 0:
+            at, total, _ = self._points[0]
+            return total - self._before * (at - t)
+        at, total, f = self._points[i]
+        return total + f * (t - at)
+
+    def mean(self, start: float, end: float) -> float:
+        """The mean slowdown over ``[start, end]``; the value at ``end`` for an empty span."""
+        if end <= start:
+            return self.value_at(end)
+        return (self._integral(end) - self._integral(start)) / (end - start)
+
+    def value_at(self, t: float) -> float:
+        """The slowdown in force at ``t`` (1 before any was set)."""
+        i = bisect.bisect_right(self._points, t, key=lambda p: p[0]) - 1
+        return self._before if i < 0 else self._points[i][2]
+
+
+class SlowedModel:
+    """A `ServiceModel` read at an engine ``slowdown`` times slower than the one it measured:
+    latencies times it, the saturation rate over it (`AdmissionController.set_speed`)."""
+
+    __slots__ = ("model", "slowdown")
+
+    def __init__(self, model: ServiceModel, slowdown: float) -> None:
+        self.model, self.slowdown = model, float(slowdown)
+
+    def latency_s(self, n: float) -> float:
+        return self.slowdown * self.model.latency_s(n)
+
+    def max_within(self, limit_s: float) -> int:
+        return self.model.max_within(limit_s / self.slowdown)
+
+    @property
+    def rate_per_s(self) -> float:
+        return self.model.rate_per_s / self.slowdown
 
 
 class ServiceModel:
@@ -814,6 +884,16 @@ RAMP_WINDOW_S = 10.0
 # sequences climbs from calm to its batch in about as many completions (not measured on one).
 RAMP_STEP_SHARE = 0.2
 
+# `AdmissionController.set_speed`: a slowdown that moves less than this (a fraction) from the one
+# in force changes nothing (the caps are not recomputed for the noise of a 1 s median of steps);
+# and at most this many times slower (or faster) is believed.
+SPEED_STEP = 0.1
+SPEED_MAX = 100.0
+# and a reading within this factor of 1 either way is applied as 1, one past it less this factor:
+# the step times of an engine on a shared machine wander by a fifth with its other work, and the
+# exact caps of a steady load should not move with them
+SPEED_MARGIN = 1.25
+
 
 class ArrivalRate:
     """Requests offered per second, exponentially decayed with time constant ``tau_s``:
@@ -1011,6 +1091,8 @@ class AdmissionController:
         self.speed_shifts = 0  # windows the level's model read as the machine changing speed (`ServiceModel.shift`)
         self._tail = LatencyTail()  # latency over the model's prediction (`_reserved`)
         self._reach: dict[int, float] = {}  # concurrency (round(m)) -> latest completion there (`ramp_limit`)
+        self._speed = SpeedClock()  # the engine's slowdown over time, as the door applies it (`set_speed`)
+        self.measured_slowdown = 1.0  # the latest reading given to `set_speed`
         self._recompute()
 
     def _prior(self, slo: SloConfig, settings: AdmissionConfig) -> ServiceModel:
@@ -1022,8 +1104,59 @@ class AdmissionController:
 
     @property
     def model(self) -> ServiceModel:
-        """The service model of the level in force (`set_level`)."""
+        """The service model of the level in force (`set_level`), as measured: at the engine's
+        usual speed (`set_speed`)."""
         return self._models[self.level]
+
+    @property
+    def predictor(self) -> ServiceModel | SlowedModel:
+        """What the door predicts with: `model` at the engine's slowdown in force (`set_speed`)."""
+        f = self._speed.value
+        return self.model if f == 1.0 else SlowedModel(self.model, f)
+
+    @property
+    def slowdown(self) -> float:
+        """The engine's slowdown the door applies now (`set_speed`: the reading less its
+        margin); 1 until one is set."""
+        return self._speed.value
+
+    def set_speed(self, slowdown: float, now: float) -> bool:
+        """The engine steps ``slowdown`` times slower now than it did lately
+        (`policies.engine_speed.EngineSpeed`, read from the model replicas). True if the door's
+        predictions changed.
+
+        From ``now`` on every prediction is the measured model's times ``slowdown`` (the caps,
+        the room kept, `Retry-After`, ``predicted_wait_ms``), and each completion is divided by
+        its mean slowdown over its life before the model learns it (`observe_completion`), so
+        the model keeps measuring the engine at its usual speed and the slowdown says how far
+        from it the engine is now. Without this, a starved engine (a noisy neighbour on its
+        CPUs) finishes nothing for as long as its slowed requests run, the door admits up to
+        caps it no longer meets, and the completions that finally arrive teach the model a
+        slowness that is already over. In the door's model (`bench/door_sim.py`, the knee-shaped
+        engine, ten times slower for 30 s at 2.3 req/s, 16 seeds, the slowdown known 1 s late):
+        the requests sent after the slow phase 71.8 -> 96.1% within the SLO, those sent during it
+        late 15.0 -> 8.1% (refused instead, at once). Scaling the predictions without dividing
+        the completions by it: 82.6%, and with the slowdown 3 s late worse than without it
+        (66.5%); dividing them too: 95.1% at 3 s late.
+
+        What the door applies is the reading less a margin of `SPEED_MARGIN` either way (``f /
+        1.25`` above 1.25, ``f * 1.25`` below 1 / 1.25, 1 between), continuous in the reading: a
+        step time that wanders by a fifth with the CPU's other work changes no cap (the model
+        learns such drift from completions as before), while a starved engine is seen almost
+        whole (ten times slower: eight). A change of less than `SPEED_STEP` from the value in
+        force is ignored (the caps are not recomputed for noise); the value is clamped to ``[1 /
+        SPEED_MAX, SPEED_MAX]``, and a reading that is not a positive number is ignored."""
+        if math.isnan(slowdown) or not slowdown > 0:  # not a reading: nothing changes
+            return False
+        self.measured_slowdown = float(slowdown)
+        log_f = math.log(min(SPEED_MAX, max(1.0 / SPEED_MAX, float(slowdown))))
+        margin = math.log(SPEED_MARGIN)
+        f = math.exp(math.copysign(max(0.0, abs(log_f) - margin), log_f))
+        if abs(math.log(f / self._speed.value)) < math.log1p(SPEED_STEP):
+            return False
+        self._speed.set(now, f)
+        self._recompute()
+        return True
 
     def update(self, slo: SloConfig, settings: AdmissionConfig, slots: int | None = None) -> None:
         """Apply a reloaded policy, keeping what was measured (a prior only seeds a new model),
@@ -1241,7 +1374,7 @@ class AdmissionController:
             caps, tail = self._caps, self._tail_limit
             if tail is not None and self.tail_holds(now):  # first, so the room kept below keeps their order
                 caps = caps[:1] + tuple(min(cap, tail) for cap in caps[1:])
-            limits = reserved_limits(rates, caps, self.model.latency_s, 1.0 - q)
+            limits = reserved_limits(rates, caps, self.predictor.latency_s, 1.0 - q)
             self._limits = (now, limits)
         return limits
 
@@ -1279,7 +1412,7 @@ class AdmissionController:
     def _first_saturate(self, count: int, now: float) -> bool:
         """Whether the ``count`` most important classes alone arrive at least as fast as the
         server completes requests (``>= rate_per_s``, `_arrive_at_least`)."""
-        return self._arrive_at_least(count, self.model.rate_per_s, now)
+        return self._arrive_at_least(count, self.predictor.rate_per_s, now)
 
     def _arrive_at_least(self, count: int, rate_per_s: float, now: float) -> bool:
         """Whether the ``count`` most important classes together arrive at least at
@@ -1322,7 +1455,7 @@ class AdmissionController:
         reaches the drain rate; ce608db) held it in 79-95% of the 3 x polls and critical work
         was 318 of 325 and 331 of 342 (its own bursts with the limit holding, a slower
         machine, a lull then a clump): no better, reverted (bench/RESULTS.md)."""
-        return self._arrive_at_least(len(self._arrivals), tail / self.model.latency_s(tail), now)
+        return self._arrive_at_least(len(self._arrivals), tail / self.predictor.latency_s(tail), now)
 
     def class_cap(self, criticality: Criticality, now: float) -> int:
         """The most requests in flight at which ``criticality`` is still admitted now: its
@@ -1402,7 +1535,7 @@ class AdmissionController:
     def retry_after_s(self, ahead: int, cap: int) -> int:
         """``Retry-After`` for a refusal with ``ahead`` in flight and the class admitted below ``cap``."""
         # completions needed before this class fits again, at the saturation rate
-        drain_s = (ahead + 1 - cap) / self.model.rate_per_s
+        drain_s = (ahead + 1 - cap) / self.predictor.rate_per_s
         lo, hi = self.settings.min_retry_after_s, self.settings.max_retry_after_s
         return min(hi, max(lo, math.ceil(drain_s - 1e-9)))
 
@@ -1415,8 +1548,14 @@ class AdmissionController:
         (`ServiceModel.observe`).
 
         Feed completions of requests the model served only: an abort, an error or a
-        semantic-cache answer says nothing about the model's capacity.
+        semantic-cache answer says nothing about the model's capacity. Both times are divided by
+        the engine's mean slowdown over the request's life (`set_speed`) before anything learns
+        them: the model measures the engine at its usual speed.
         """
+        if latency_s > 0:
+            f = self._speed.mean(now - latency_s, now)
+            if f != 1.0:
+                latency_s, service_s = latency_s / f, service_s / f
         if latency_s > 0 and service_s > 0:  # its spread around the prediction where the model places it
             model = self.model
             m = model.concurrency(latency_s, service_s, ahead)
@@ -1434,21 +1573,23 @@ class AdmissionController:
 
     def _recompute(self) -> None:
         # admitted iff overhead + latency_s(ahead + 1) <= overhead + share * budget
-        caps = tuple(self.model.max_within(share * self.budget_s) for share in self._shares)
+        predictor = self.predictor
+        caps = tuple(predictor.max_within(share * self.budget_s) for share in self._shares)
         if self._hold is not None:  # a level change's requests are still in flight (`set_level`)
             caps = tuple(min(c, h) for c, h in zip(caps, self._hold[1]))
         self._caps = caps
         self._tail_factor = self._tail.factor()
         self._tail_limit = (None if len(self._tail) < TAIL_MIN else
-                            self.model.max_within(self._shares[0] * self.budget_s / self._tail_factor))
+                            predictor.max_within(self._shares[0] * self.budget_s / self._tail_factor))
         self._limits: tuple[float | None, tuple[int, ...] | None] = (None, None)  # `_reserved`'s cache
 
     # -- what the ingress reads --------------------------------------------------------------
 
     @property
     def rate_per_s(self) -> float:
-        """Completions per second at saturation (a full batch's: `ServiceModel.rate_per_s`)."""
-        return self.model.rate_per_s
+        """Completions per second at saturation (a full batch's: `ServiceModel.rate_per_s`), at the
+        engine's slowdown in force."""
+        return self.predictor.rate_per_s
 
     def max_admitted(self, criticality: Criticality = Criticality.CRITICAL) -> int:
         """The most requests in flight at which ``criticality`` is still admitted.
@@ -1459,11 +1600,11 @@ class AdmissionController:
         return self._caps[_RANK[criticality]]
 
     def predicted_e2e_s(self, ahead: int) -> float:
-        return self.overhead_s + self.model.latency_s(ahead + 1)
+        return self.overhead_s + self.predictor.latency_s(ahead + 1)
 
     def drain_s(self, in_flight: int) -> float:
         """Seconds for ``in_flight`` requests to drain at the saturation rate."""
-        return in_flight / self.model.rate_per_s
+        return in_flight / self.predictor.rate_per_s
 
     @property
     def wait_smoothing_s(self) -> float:
@@ -1523,7 +1664,7 @@ class AdmissionController:
         ``refused_ratio``: the share of this replica's door decisions over the last
         ``refusal_window_s`` that refused for capacity (see the module docstring).
         """
-        model = self.model
+        model = self.predictor
         alone_s = model.latency_s(1)
         room_s = max(self.e2e_s - alone_s, 0.05 * self.e2e_s)
         queued_s = model.latency_s(self._smoothed_in_flight(in_flight, now) + 1.0) - alone_s

@@ -57,6 +57,9 @@ from serve_app.openai_api import RequestError
 __all__ = ["AdmissionGate", "Ticket"]
 
 _KIND = {429: "rate_limit_error", 503: "service_unavailable"}
+# a model replica's slowdown (`AdmissionGate.observe_speed`) counts this long after it was read:
+# a few probe intervals (the ingress probes a model replica every `model_probe_s`, 0.5 s)
+SPEED_FRESH_S = 5.0
 T = TypeVar("T")
 
 
@@ -107,6 +110,7 @@ class AdmissionGate:
         self.share = ShareClock()  # each request's share of the service, for the service model
         self.level = 0  # the degradation level in force (`set_level`): each has its own model
         self.replicas = (1, 1)  # model and ingress replicas serving (`set_replicas`)
+        self._speeds: dict[Any, tuple[float, float]] = {}  # model replica -> (slowdown, when read)
         self._issued = 0  # tickets issued (`Ticket.seq`)
         # the last level change (`set_level`): the last ticket issued before it, and how many of
         # the tickets issued before it are still in flight
@@ -331,6 +335,22 @@ class AdmissionGate:
         if self._queue:  # a larger share of the batches may have room for those waiting
             self._hand_over()
 
+    def observe_speed(self, replica: Any, slowdown: float) -> None:
+        """A model replica's engine steps ``slowdown`` times slower than it did lately (its
+        ``health()``, `policies.engine_speed`). The door predicts with the mean over the
+        replicas read within `SPEED_FRESH_S` (the ingress's requests spread over them); one not
+        read for longer no longer counts (`AdmissionController.set_speed`)."""
+        now = self._clock()
+        if not (isinstance(slowdown, (int, float)) and math.isfinite(slowdown) and slowdown > 0):
+            return
+        self._speeds[replica] = (float(slowdown), now)
+        fresh = [f for f, at in self._speeds.values() if 0.0 <= now - at <= SPEED_FRESH_S]
+        self._speeds = {r: v for r, v in self._speeds.items() if 0.0 <= now - v[1] <= SPEED_FRESH_S}
+        if self.controller is not None and fresh:
+            self.controller.set_speed(sum(fresh) / len(fresh), now)
+        if self._queue:  # a faster engine may have room for those waiting at the door
+            self._hand_over()
+
     def set_level(self, level: int) -> None:
         """The degradation level in force, as the ingress last fetched it: admission uses that
         level's measured service model (`AdmissionController.set_level`), within the caps before
@@ -422,6 +442,11 @@ class AdmissionGate:
             "level_models_replaced": None if ctl is None else ctl.models_replaced,
             # windows of completions read as the machine changing speed: the model rescaled (`ServiceModel.shift`)
             "speed_shifts": None if ctl is None else ctl.speed_shifts,
+            # how many times slower the model's engine steps now than lately, as read from the model
+            # replicas, and what the door applies of it: it predicts with its model times that
+            # (`AdmissionController.set_speed`)
+            "engine_slowdown": None if ctl is None else round(ctl.measured_slowdown, 3),
+            "slowdown_applied": None if ctl is None else round(ctl.slowdown, 3),
             "reserved": None if ctl is None else {c.value: ctl.reserve(c, now) for c in Criticality},
             # the measured latency's 0.99 quantile over the model's prediction, and the limit it sets
             # the classes below critical (`AdmissionController.tail_limit`)

@@ -139,7 +139,9 @@ class PipelineSettings(BaseModel):
                            "waits at most this long for a change before it answers with the view unchanged")
     report_s: float = Field(default=0.25, gt=0, description="how often signals are reported")
     drain_s: float = Field(default=1.0, gt=0, description="how often deferred records are drained")
-    model_probe_s: float = Field(default=1.0, gt=0, description="how often the model's engine health is probed")
+    model_probe_s: float = Field(default=0.5, gt=0, description="how often a model replica's engine health and "
+                                 "speed are probed (the door predicts with the speed: a starved engine is "
+                                 "seen within about this long)")
     model_probe_timeout_s: float = Field(default=2.0, gt=0,
                                          description="a probe not answered by then says nothing (a busy replica)")
     breaker: BreakerSettings = Field(default_factory=BreakerSettings,
@@ -570,8 +572,9 @@ class Ingress:
             self._circuit_gauge.set(CIRCUIT_STATE_VALUE[breaker.state.value], tags={"feature": name})
 
     async def _probe_model(self) -> None:
-        """Ask a model replica for its engine's health (`ModelHealth`). No answer in time (a busy
-        replica, or none yet) says nothing; an answer, or a replica that is gone, does."""
+        """Ask a model replica for its engine's health (`ModelHealth`) and speed (the door
+        predicts with it: `AdmissionGate.observe_speed`). No answer in time (a busy replica, or
+        none yet) says nothing; an answer, or a replica that is gone, does."""
         try:
             health = await asyncio.wait_for(self.model.health.remote(), self.settings.model_probe_timeout_s)
         except (asyncio.TimeoutError, BackPressureError):
@@ -582,6 +585,8 @@ class Ingress:
                 self.model_health.observe(False, f"model replica unreachable: {type(err).__name__}")
             return
         self.model_health.observe(bool(health.get("ok")), health.get("reason"))
+        if health.get("slowdown") is not None:  # how much slower its engine steps than lately
+            self.gate.observe_speed(health.get("pid"), health["slowdown"])
 
     async def _drain(self) -> None:
         view = self.view

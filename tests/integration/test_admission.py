@@ -11,6 +11,9 @@ the test knocks at the door. The original policy is restored at the end.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
+import signal
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -19,6 +22,7 @@ import httpx
 import pytest
 
 from tests.integration.conftest import Cluster, ingress_deployment
+from tests.integration.test_faults import engine_core_pid
 from tests.integration.test_brownout import CHAT, MODEL, admin, gibberish, pin, wait_level
 
 pytestmark = pytest.mark.integration
@@ -296,3 +300,59 @@ def test_level_three_caps_max_tokens_and_says_so(deployed: Cluster, http: httpx.
         assert r3.json()["choices"][0]["finish_reason"] == "length"
     finally:
         admin(http, "DELETE", params={"level": "true"})
+
+
+def test_a_starved_engine_lowers_the_caps_at_once_and_they_come_back_when_it_ends(
+        deployed: Cluster, http: httpx.Client, slo_policy: None) -> None:
+    """The engine core is starved (stopped 90 ms in every 100 ms, by its PID) while one long
+    stream runs: the model replica reads its steps as several times slower
+    (`policies.engine_speed`), the ingress's door applies it within seconds (its caps fall to the
+    one request in flight, and a new request is refused at once, 503 with a computed
+    Retry-After, instead of being admitted to a server that would finish it late), and when the starvation ends the caps come back at once.
+    The stream is closed by the client (an abort: nothing served, nothing learned), so the caps
+    of the slo_policy's prior hold before and after."""
+    _, core = engine_core_pid()
+    headers = {"Authorization": f"Bearer {deployed.secrets.critical_key}"}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": gibberish()}],
+            "max_tokens": 480, "ignore_eos": True, "stream": True}
+    stop = threading.Event()
+
+    def starve() -> None:
+        while not stop.is_set():
+            os.kill(core, signal.SIGSTOP)
+            time.sleep(0.09)
+            os.kill(core, signal.SIGCONT)
+            time.sleep(0.01)
+
+    starver = threading.Thread(target=starve, name="starve-engine", daemon=True)
+    with deployed.client(timeout=120) as client, client.stream("POST", CHAT, json=body, headers=headers) as stream:
+        assert stream.status_code == 200
+        lines = stream.iter_lines()
+        next(lines)
+        time.sleep(3.0)  # its steps at the usual speed, read by the probes
+        usual = admission_state(http)
+        assert usual["in_flight"] == 1 and usual["max_admitted"] == CAPS, usual
+        assert usual["slowdown_applied"] == 1.0 and 0.5 < usual["engine_slowdown"] < 1.25, usual
+        starver.start()
+        try:
+            deadline = time.monotonic() + 15
+            while (state := admission_state(http))["slowdown_applied"] < 2.0:
+                assert time.monotonic() < deadline, ("the starvation was not seen", state)
+                time.sleep(0.2)
+            starved = state
+            assert starved["engine_slowdown"] >= 2.5, starved
+            assert starved["max_admitted"]["critical"] < CAPS["critical"], starved
+            # the one stream in flight fills the starved door, even for critical work: 503 at once
+            r = refused(deployed, "standard", 503)
+            assert r.json()["error"]["message"].startswith("the service is saturated"), r.json()
+        finally:
+            stop.set()
+            starver.join()
+            os.kill(core, signal.SIGCONT)
+        deadline = time.monotonic() + 15
+        while (state := admission_state(http))["slowdown_applied"] != 1.0 or state["max_admitted"] != CAPS:
+            assert time.monotonic() < deadline, ("the caps did not come back", state)
+            time.sleep(0.2)
+    print(f"\nstarved engine: read {usual['engine_slowdown']} before, {starved['engine_slowdown']} starved, "
+          f"{state['engine_slowdown']} after; caps {usual['max_admitted']} -> {starved['max_admitted']} -> "
+          f"{state['max_admitted']}")

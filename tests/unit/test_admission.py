@@ -17,6 +17,8 @@ from policies.admission import (
     RefusalWindow,
     ServiceModel,
     ShareClock,
+    SlowedModel,
+    SpeedClock,
     TAIL_MIN,
     classify,
     default_prior_rate,
@@ -1698,3 +1700,102 @@ def test_in_the_doors_model_the_door_recovers_from_a_phase_ten_times_slower(monk
     monkeypatch.setattr(ServiceModel, "_realone", lambda self, now: setattr(self, "_alone_s", None))
     unbounded = within()
     assert bounded >= unbounded + 0.15, (bounded, unbounded)
+
+
+# -- the engine's speed (`AdmissionController.set_speed`, `policies.engine_speed`) ------------
+
+
+def served_slowed(ctl: AdmissionController, n: int, base: float, per: float, seconds: float, t0: float,
+                  slowdown: float) -> float:
+    """`served_at` on an engine ``slowdown`` times slower, each request's whole life within it."""
+    latency = slowdown * (base + per * (n - 1))
+    t = t0 + latency  # the first completion of requests admitted at t0
+    while t < t0 + latency + seconds:
+        ctl.observe_completion(t, latency, latency / n)
+        t += slowdown * per
+    return t
+
+
+def test_speed_clock_gives_the_mean_slowdown_over_a_span() -> None:
+    clock = SpeedClock()
+    assert clock.value == 1.0 and clock.mean(0.0, 5.0) == 1.0  # 1 before any is set
+    clock.set(10.0, 3.0)
+    clock.set(20.0, 1.0)
+    assert clock.value == 1.0
+    assert clock.mean(9.0, 11.0) == pytest.approx(2.0)  # 1 s at 1, 1 s at 3
+    assert clock.mean(12.0, 18.0) == pytest.approx(3.0)
+    assert clock.mean(9.0, 21.0) == pytest.approx(32.0 / 12.0)
+    assert clock.mean(15.0, 15.0) == 3.0  # an empty span: the value then
+    assert (clock.value_at(5.0), clock.value_at(10.0), clock.value_at(25.0)) == (1.0, 3.0, 1.0)
+    short = SpeedClock(keep_s=5.0)
+    short.set(0.0, 2.0)
+    short.set(10.0, 4.0)
+    short.set(20.0, 1.0)  # the first breakpoint is forgotten: before the oldest kept, its value (2) holds
+    assert short.mean(8.0, 9.0) == pytest.approx(2.0) and short.mean(12.0, 14.0) == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize("reading, slowdown", [
+    (1.0, 1.0), (1.2, 1.0), (0.85, 1.0),  # within the margin (1.25): as usual
+    (2.5, 2.0), (5.0, 4.0), (12.5, 10.0), (0.4, 0.5),  # past it: the reading less the margin
+])
+def test_a_slower_engine_lowers_the_caps_as_a_budget_that_much_smaller(reading: float, slowdown: float) -> None:
+    ctl = controller()
+    served_at(ctl, 4, base=0.3, per=0.1, seconds=15)
+    ctl.set_speed(reading, 20.0)
+    assert ctl.measured_slowdown == reading
+    model = ctl.model
+    for k in (C, S, D):
+        assert ctl.max_admitted(k) == model.max_within(ctl.share(k) * ctl.budget_s / slowdown)
+    assert ctl.predicted_e2e_s(3) == pytest.approx(0.1 + slowdown * model.latency_s(4))
+    assert ctl.rate_per_s == pytest.approx(model.rate_per_s / slowdown)
+    assert ctl.slowdown == pytest.approx(slowdown)
+
+
+def test_a_slowdown_within_the_step_is_noise_and_changes_nothing() -> None:
+    ctl = controller()
+    assert not ctl.set_speed(1.2, 1.0) and ctl.slowdown == 1.0
+    assert ctl.set_speed(1.5, 2.0) and ctl.slowdown == pytest.approx(1.2)
+    assert not ctl.set_speed(1.55, 3.0) and ctl.slowdown == pytest.approx(1.2)  # 3% more: noise
+    assert ctl.set_speed(float("inf"), 4.0) and ctl.slowdown == pytest.approx(80.0)  # clamped, less the margin
+    assert not ctl.set_speed(float("nan"), 5.0) and ctl.slowdown == pytest.approx(80.0)
+
+
+def test_retry_after_grows_with_the_slowdown() -> None:
+    ctl = controller()
+    base = ctl.retry_after_s(30, ctl.max_admitted(S))
+    ctl.set_speed(5.0, 1.0)
+    assert ctl.retry_after_s(30, ctl.max_admitted(S)) > base
+
+
+def test_completions_of_a_starved_engine_teach_the_model_its_usual_speed() -> None:
+    usual, told, blind = controller(), controller(), controller()
+    for ctl in (usual, told, blind):
+        served_at(ctl, 4, base=0.3, per=0.1, seconds=15)
+    told.set_speed(5.0 * 1.25, 20.0)  # applied: 5
+    end = served_at(usual, 4, base=0.3, per=0.1, seconds=10, t0=20.0)
+    served_slowed(told, 4, base=0.3, per=0.1, seconds=10 * 5.0, t0=20.0, slowdown=5.0)
+    served_slowed(blind, 4, base=0.3, per=0.1, seconds=10 * 5.0, t0=20.0, slowdown=5.0)
+    assert end > 20.0
+    # told the slowdown: the model stays at the usual line and the prediction is five times it
+    assert told.model.latency_s(4) == pytest.approx(usual.model.latency_s(4), rel=0.02)
+    assert told.predicted_e2e_s(3) == pytest.approx(0.1 + 5.0 * usual.model.latency_s(4), rel=0.02)
+    # not told: the model learned the slowness, which outlives it once the engine is fast again
+    assert blind.model.latency_s(4) > 3.0 * usual.model.latency_s(4)
+    told.set_speed(1.0, 80.0)  # the starvation ends: the usual caps at once
+    assert [told.max_admitted(k) for k in (C, S, D)] == [usual.max_admitted(k) for k in (C, S, D)]
+
+
+def test_a_completion_across_a_change_of_speed_is_divided_by_its_mean() -> None:
+    ctl = controller(settings_=SETTINGS.model_copy(update={"rate_alpha": 1.0}))
+    served_at(ctl, 1, base=0.5, per=0.1, seconds=10)
+    ctl.set_speed(3.0 * 1.25, 100.0)  # applied: 3
+    ctl.observe_completion(101.0, 2.0, 2.0)  # 1 s at 1 and 1 s at 3 in its life: 2 s at a mean of 2
+    assert ctl.model.alone_s == pytest.approx(1.0)
+
+
+def test_slowed_model_reads_the_model_slower() -> None:
+    model = ServiceModel(0.5, 0.1, slots=8)
+    slowed = SlowedModel(model, 2.0)
+    assert slowed.latency_s(3) == pytest.approx(2.0 * model.latency_s(3))
+    assert slowed.max_within(2.0) == model.max_within(1.0)
+    assert slowed.rate_per_s == pytest.approx(model.rate_per_s / 2.0)

@@ -589,3 +589,40 @@ def test_the_ramp_refusal_says_the_configured_step() -> None:
     assert err.value.message.startswith(
         "standard requests are admitted up to 1 request above the load the service was measured at lately"
     ), err.value.message
+
+
+def test_the_door_predicts_with_the_mean_slowdown_of_the_model_replicas_read_lately() -> None:
+    g = gate()
+    clock = g._clock
+    assert isinstance(clock, FakeClock)
+    caps = g.state()["max_admitted"]
+    assert (g.state()["engine_slowdown"], g.state()["slowdown_applied"]) == (1.0, 1.0)
+    g.observe_speed(101, 4.0)
+    g.observe_speed(102, 1.0)  # the ingress's requests spread over both: the mean, 2.5
+    assert (g.state()["engine_slowdown"], g.state()["slowdown_applied"]) == (2.5, 2.0)  # less the margin
+    assert g.state()["max_admitted"]["critical"] < caps["critical"]
+    clock.advance(4.0)
+    g.observe_speed(102, 1.0)
+    clock.advance(2.0)  # replica 101 last read 6 s ago: it no longer counts
+    g.observe_speed(102, 1.0)
+    assert g.state()["slowdown_applied"] == 1.0 and g.state()["max_admitted"] == caps
+    for bad in (float("nan"), 0.0, -1.0, "2"):
+        g.observe_speed(103, bad)  # type: ignore[arg-type]
+    assert g.state()["engine_slowdown"] == 1.0
+
+
+def test_a_faster_engine_hands_a_freed_place_to_a_critical_request_waiting_at_the_door() -> None:
+    g = gate({**SLO_POLICY, "admission": {**SLO_POLICY["admission"], "critical_wait_share": 0.5}})
+    g.observe_speed(101, 2.5)
+    cap = g.state()["max_admitted"]["critical"]
+    fill(g, cap)
+
+    async def scenario() -> bool:
+        waiter = asyncio.ensure_future(g.admit_waiting(None, base=Criticality.CRITICAL))
+        await asyncio.sleep(0)
+        assert g.state()["queued"] == 1
+        g.observe_speed(101, 1.0)  # the engine is back to its usual speed: the cap doubles
+        ticket = await asyncio.wait_for(waiter, 1.0)
+        return ticket.criticality is Criticality.CRITICAL
+
+    assert asyncio.run(scenario())

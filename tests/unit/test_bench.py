@@ -447,6 +447,7 @@ def test_run_load_records_every_request_against_a_fake_server() -> None:
                                              "class_cap": {"critical": 5}, "reserved": None, "rate_per_s": 1.5, "base_latency_s": None,
                                              "per_request_s": None, "latency_alone_s": None, "latency_floor_s": None, "wait_smoothing_s": None,
                                              "caps_held_s": None, "level_models_replaced": None, "speed_shifts": None,
+                                             "engine_slowdown": None, "slowdown_applied": None,
                                              "latency_tail": None, "tail_limit": None, "tail_holds": None,
                                              "measured_reach": None, "ramp_limit": None, "refused": None}
     doc = rep.run_report("fake", result, 2000.0)

@@ -41,3 +41,15 @@ def test_shares_need_three_values(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         door_sim.main(["--shares", "1,0.9", "--seeds", "1"])
     assert "--shares: need three values" in capsys.readouterr().err
+
+
+def test_a_door_told_the_engine_slowdown_admits_less_of_what_would_be_late_in_a_slow_phase() -> None:
+    kw = dict(rate=2.3, seed=3, seconds=60.0, calm_s=30.0, shape="knee", noise=0.2, slow=(10.0, 30.0, 10.0))
+    blind = door_sim.simulate(door_sim.Setting(), **kw)  # type: ignore[arg-type]
+    told = door_sim.simulate(door_sim.Setting(speed_lag_s=1.0), **kw)  # type: ignore[arg-type]
+    for run_ in (blind, told):
+        d = run_["during_slow"]
+        assert 0 < d["refused"] + d["late"] <= d["offered"]
+    assert told["during_slow"]["late"] < blind["during_slow"]["late"]
+    assert told["after_slow"]["on_time"] >= blind["after_slow"]["on_time"]
+    assert "speed 1 s late" in door_sim.Setting(speed_lag_s=1.0).label

@@ -8,6 +8,7 @@ vLLM-specific and runs in the integration fault test, `tests/integration/test_fa
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -35,6 +36,9 @@ class StubEngine:
     async def check_health(self) -> None:
         if self.dead:
             raise EngineError("the model's engine process has died", dead=True)
+
+    def stats(self) -> Any:
+        return SimpleNamespace(slowdown=2.5)  # `EngineStats.slowdown`: what the ingress's door predicts with
 
     async def generate(self, prompt: str, sampling: Any, request_id: str, prompt_ids: Any = None,
                        priority: int = 0) -> AsyncIterator[Delta]:
@@ -85,7 +89,8 @@ def test_an_engine_death_mid_stream_ends_it_with_a_model_error() -> None:
 def test_health_asks_the_engine() -> None:
     engine = StubEngine(0, DEAD)
     m = model(engine)
-    assert asyncio.run(m.health())["ok"] is True
+    health = asyncio.run(m.health())
+    assert health["ok"] is True and health["slowdown"] == 2.5
     asyncio.run(m.check_health())
     asyncio.run(events(m))  # the engine dies
     assert asyncio.run(m.health())["ok"] is False

@@ -1,0 +1,161 @@
+"""How much slower the engine steps now than it did lately: a starved engine, seen at its steps.
+
+Pure: no clock, no vLLM. The model replica feeds `EngineSpeed.observe` with each engine step's
+inter-token latencies (vLLM's iteration stats, stamped by the engine core) and reads
+`EngineSpeed.slowdown`; the ingress's admission scales its latency model by it
+(`policies.admission.AdmissionController.set_speed`).
+
+The rule, and why:
+
+- **Why a second signal.** Admission predicts latency from a model fitted to completed requests
+  (`policies.admission.ServiceModel`). When the engine is starved (a noisy neighbour on its
+  CPUs, a throttled GPU), completions stop coming for as long as the slowed requests run, so
+  the door goes on admitting up to caps that the engine no longer meets: measured (12-05, 2-core
+  AVX-512 EPYC, 2 s SLO, busy processes beside the server for 30 s) the door admitted 9-15
+  requests during the starvation, which took 10-30 s. And once the completions of the slow
+  phase arrive, they teach the model a slowness that is already over. The engine's steps show
+  the starvation at once and say nothing about request size: a step of ``b`` sequences takes
+  about the same time whatever their prompts and lengths, so one long request beside short ones
+  does not read as a slower engine, where a count of completions would.
+- **What is measured.** A step's time is the median inter-token latency of the sequences that
+  decoded in it (the engine core's timestamps; a prefill or a preemption in between lengthens
+  one sequence's, not the median). Steps are compared only with steps like them: the key is the
+  batch (sequences that produced a token) and the step's prompt tokens in powers of two (a step
+  that also prefilled costs more). Per key a reference step time is kept, the mean of the log
+  over its latest `REF_STEPS` steps; a step's ratio is its time over its key's reference.
+- **The slowdown** is ``exp`` of the median log ratio of the steps that ended within the last
+  ``window_s`` (1 s), each weighted by its time: the ratio the engine spent at least half of
+  that second at or above. So it turns half a window after the engine slows, whatever the
+  steps' lengths (a count of steps would wait for the many fast steps before the change to
+  leave the window, ten times more of them than slow ones after it at ten times slower), and
+  one outlying step (a garbage collection) moves nothing. Where fewer than `MIN_STEPS` steps
+  ended in the window (a starved engine's steps are long), the latest `MIN_STEPS` count, if
+  the last of them ended within ``stale_s`` (10 s). Otherwise (an idle engine) the last value
+  holds and fades towards 1 with time constant ``idle_tau_s`` (10 s): an idle engine says
+  nothing about its speed, and a pessimistic value must not outlive what it measured.
+- **The reference follows slow drift, not starvation.** It learns a step only while the
+  slowdown, and that step's own ratio, are within ``hold_ratio`` (2) of 1 either way. A machine a fifth slower for an hour is absorbed
+  within a few hundred steps (the admission model then learns it from completions), while
+  during a starvation the reference keeps the engine's normal speed, and the slowdown falls
+  back to 1 the moment the starvation ends. A key first seen during a slowdown starts from its
+  step divided by the slowdown in force, so it agrees with the other keys.
+- **No step at all** (an engine core stopped outright) reads as no information: the last value
+  holds. A prefill of a long prompt can take many decode steps' time, so a gap between steps
+  is not a stall by itself; a dead engine is the health check's to find.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import statistics
+from collections.abc import Sequence
+
+REF_STEPS = 200  # steps a key's reference averages over (then an exponential average of that reach)
+MIN_STEPS = 3  # steps a reading rests on, at least
+KEEP_STEPS = 512  # steps kept for the window (more than a second of steps on any engine measured)
+
+
+def weighted_median(pairs: Sequence[tuple[float, float]]) -> float:
+    """The value at or above which at least half the total weight lies, of ``(value, weight)``
+    pairs (weights > 0; not empty): the lower weighted median."""
+    ordered = sorted(pairs)
+    half = sum(w for _, w in ordered) / 2.0
+    acc = 0.0
+    for value, w in ordered:
+        acc += w
+        if acc >= half:
+            return value
+    return ordered[-1][0]
+
+
+def step_key(batch: int, prompt_tokens: int) -> tuple[int, int]:
+    """The steps a step is compared with: its batch and its prompt tokens in powers of two."""
+    return int(batch), 0 if prompt_tokens <= 0 else int(prompt_tokens).bit_length()
+
+
+class EngineSpeed:
+    """The engine's step time now over its step time lately. See the module docstring."""
+
+    __slots__ = ("window_s", "stale_s", "hold_ratio", "idle_tau_s", "min_slowdown", "max_slowdown", "_ref",
+                 "_recent", "_held", "steps")
+
+    def __init__(self, window_s: float = 1.0, hold_ratio: float = 2.0, idle_tau_s: float = 10.0,
+                 min_slowdown: float = 0.25, max_slowdown: float = 100.0, stale_s: float = 10.0) -> None:
+        if not (0 < window_s <= stale_s and hold_ratio > 1 and idle_tau_s > 0
+                and 0 < min_slowdown <= 1 <= max_slowdown):
+            raise ValueError(
+                f"need 0 < window_s <= stale_s, hold_ratio > 1, idle_tau_s > 0, 0 < min_slowdown <= 1 <= "
+                f"max_slowdown; got window_s={window_s!r}, stale_s={stale_s!r}, hold_ratio={hold_ratio!r}, "
+                f"idle_tau_s={idle_tau_s!r}, min_slowdown={min_slowdown!r}, max_slowdown={max_slowdown!r}")
+        self.window_s, self.stale_s = float(window_s), float(stale_s)
+        self.hold_ratio = float(hold_ratio)
+        self.idle_tau_s = float(idle_tau_s)
+        self.min_slowdown, self.max_slowdown = float(min_slowdown), float(max_slowdown)
+        self._ref: dict[tuple[int, int], list[float]] = {}  # key -> [mean log step time, steps]
+        # the latest steps: (when it ended, log ratio, its time in seconds)
+        self._recent: collections.deque[tuple[float, float, float]] = collections.deque(maxlen=KEEP_STEPS)
+        self._held = (0.0, None)  # (log slowdown, when measured): what an idle window falls back on
+        self.steps = 0  # steps observed
+
+    def observe(self, now: float, itls_s: Sequence[float], prompt_tokens: int = 0) -> None:
+        """One engine step at ``now``: the inter-token latencies (seconds) of the sequences that
+        decoded in it, and the prompt tokens it prefilled. A step where nothing decoded says
+        nothing (no inter-token latency) and is ignored."""
+        times = [x for x in itls_s if x > 0 and math.isfinite(x)]
+        if not times:
+            return
+        batch = len(itls_s)
+        step_s = statistics.median(times)
+        x = math.log(step_s)
+        key = step_key(batch, prompt_tokens)
+        ref = self._ref.get(key)
+        log_now = self._log_slowdown(now)
+        if ref is None:  # agree with the other keys: this step at the slowdown in force
+            self._ref[key] = ref = [x - log_now, 0.0]
+        r = x - ref[0]
+        self._recent.append((now, r, step_s))
+        self.steps += 1
+        log_now = self._log_slowdown(now)
+        band = math.log(self.hold_ratio)
+        if abs(log_now) <= band and abs(r) <= band:  # slow drift: follow it; starvation: keep the usual speed
+            ref[1] = min(ref[1] + 1.0, REF_STEPS)
+            ref[0] += (x - ref[0]) / ref[1]
+
+    def slowdown(self, now: float) -> float:
+        """The step time now over the reference (1: as lately; 10: ten times slower), within
+        ``[min_slowdown, max_slowdown]``."""
+        return math.exp(self._log_slowdown(now))
+
+    def _reading(self, now: float) -> list[tuple[float, float, float]]:
+        """The steps the slowdown rests on now: those that ended within ``window_s``, or, where
+        fewer than `MIN_STEPS` did, the latest `MIN_STEPS` if the last of them ended within
+        ``stale_s``; [] otherwise."""
+        recent = self._recent
+        if not recent or now - recent[-1][0] > self.stale_s:
+            return []
+        steps = []
+        for step in reversed(recent):  # newest first: only the window's are read
+            if now - step[0] > self.window_s and len(steps) >= MIN_STEPS:
+                break
+            steps.append(step)
+        return steps if len(steps) >= MIN_STEPS else []
+
+    def _log_slowdown(self, now: float) -> float:
+        steps = self._reading(now)
+        if steps:
+            value = weighted_median([(r, w) for _, r, w in steps])
+            self._held = (value, now)
+        else:
+            held, at = self._held
+            value = 0.0 if at is None else held * math.exp(-max(0.0, now - at) / self.idle_tau_s)
+        return min(math.log(self.max_slowdown), max(math.log(self.min_slowdown), value))
+
+    def state(self, now: float) -> dict[str, float | int]:
+        """What an operator reads: the slowdown, the steps in the window and observed in all, and
+        the keys with a reference."""
+        return {"slowdown": round(self.slowdown(now), 3), "window_steps": len(self._reading(now)),
+                "steps": self.steps, "keys": len(self._ref)}
+
+
+__all__ = ["EngineSpeed", "KEEP_STEPS", "MIN_STEPS", "REF_STEPS", "step_key", "weighted_median"]

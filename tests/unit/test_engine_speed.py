@@ -1,0 +1,153 @@
+"""policies/engine_speed.py: how much slower the engine steps now than lately, step by step."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from policies.engine_speed import MIN_STEPS, REF_STEPS, EngineSpeed, step_key, weighted_median
+
+STEP_S = 0.05  # a decode step of the batch below, at the engine's usual speed
+
+
+def run(speed: EngineSpeed, t: float, seconds: float, step_s: float = STEP_S, batch: int = 4,
+        prompt_tokens: int = 0) -> float:
+    """Steps of ``step_s`` back to back for ``seconds``; returns the time after the last."""
+    end = t + seconds
+    while t + step_s <= end + 1e-9:
+        t += step_s
+        speed.observe(t, [step_s] * batch, prompt_tokens)
+    return t
+
+
+def warm() -> tuple[EngineSpeed, float]:
+    speed = EngineSpeed()
+    return speed, run(speed, 0.0, 20.0)  # 400 steps: the reference is the usual step
+
+
+def test_steps_at_the_usual_speed_read_one() -> None:
+    speed, t = warm()
+    assert speed.slowdown(t) == pytest.approx(1.0)
+    assert speed.state(t) == {"slowdown": 1.0, "window_steps": 20, "steps": 400, "keys": 1}
+
+
+def test_a_starved_engine_reads_its_slowdown_within_a_step_and_the_end_of_it_at_once() -> None:
+    speed, t = warm()
+    t = run(speed, t, 0.5, step_s=10 * STEP_S)  # one step, ten times as long: half the last second
+    assert speed.slowdown(t) == pytest.approx(10.0)
+    t = run(speed, t, 10.0, step_s=10 * STEP_S)  # the reference keeps the usual speed meanwhile
+    assert speed.slowdown(t) == pytest.approx(10.0)
+    t = run(speed, t, 0.55)  # fast steps again: more than half the last second's time
+    assert speed.slowdown(t) == pytest.approx(1.0)
+
+
+def test_forty_times_slower_rests_on_the_latest_steps_when_the_window_holds_too_few() -> None:
+    speed, t = warm()
+    t = run(speed, t, 3 * 40 * STEP_S, step_s=40 * STEP_S)  # 2 s steps: none else in the last second
+    assert speed.state(t)["window_steps"] == MIN_STEPS
+    assert speed.slowdown(t) == pytest.approx(40.0)
+
+
+def test_an_outlying_step_moves_nothing() -> None:
+    speed, t = warm()
+    t += 0.3
+    speed.observe(t, [0.3] * 4)  # a garbage collection: one step six times as long, 0.3 of the last second
+    assert speed.slowdown(t) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("batch, prompt_tokens, step_s", [
+    (8, 0, 2 * STEP_S),  # a larger batch steps slower: compared with its own kind
+    (4, 512, 6 * STEP_S),  # a step that prefilled 512 tokens beside the decodes
+    (1, 0, 0.6 * STEP_S),
+])
+def test_a_step_is_compared_with_steps_like_it(batch: int, prompt_tokens: int, step_s: float) -> None:
+    speed, t = warm()
+    t = run(speed, t, 10.0, step_s=step_s, batch=batch, prompt_tokens=prompt_tokens)
+    assert speed.slowdown(t) == pytest.approx(1.0)  # new keys measure from where they are
+    assert speed.state(t)["keys"] == 2
+    t = run(speed, t, 2.0, step_s=3 * step_s, batch=batch, prompt_tokens=prompt_tokens)
+    assert speed.slowdown(t) == pytest.approx(3.0, rel=1e-3)
+
+
+def test_a_kind_of_step_first_seen_while_starved_agrees_with_the_others() -> None:
+    speed, t = warm()
+    t = run(speed, t, 2.0, step_s=4 * STEP_S)
+    t = run(speed, t, 2.0, step_s=4 * 2 * STEP_S, batch=9)  # a batch never seen, also four times slower
+    assert speed.slowdown(t) == pytest.approx(4.0)
+    t = run(speed, t, 2.0, step_s=2 * STEP_S, batch=9)  # then at its usual speed (its reference: 2 x STEP_S)
+    assert speed.slowdown(t) == pytest.approx(1.0)
+
+
+def test_slow_drift_within_the_hold_ratio_is_absorbed_into_the_reference() -> None:
+    speed, t = warm()
+    t = run(speed, t, 1.0, step_s=1.5 * STEP_S)
+    assert speed.slowdown(t) == pytest.approx(1.5, rel=0.02)  # learning it already, a step in 200
+    t = run(speed, t, 4 * REF_STEPS * 1.5 * STEP_S, step_s=1.5 * STEP_S)  # a slower machine, for good
+    assert speed.slowdown(t) < 1.05  # the admission model learns it from completions from here on
+
+
+def test_an_idle_engine_lets_a_reading_fade_towards_one() -> None:
+    speed, t = warm()
+    t = run(speed, t, 2.0, step_s=10 * STEP_S)
+    assert speed.slowdown(t) == pytest.approx(10.0)
+    # nothing steps: the reading holds while its steps are fresh, then fades with idle_tau_s (10 s)
+    assert speed.slowdown(t + 5.0) == pytest.approx(10.0)
+    fade = speed.slowdown(t + 5.1 + 10.0)
+    assert fade == pytest.approx(10.0 ** math.exp(-10.0 / 10.0), rel=0.02)
+    assert speed.slowdown(t + 200.0) == pytest.approx(1.0, abs=1e-6)
+
+
+def test_before_any_step_and_on_steps_where_nothing_decoded_it_reads_one() -> None:
+    speed = EngineSpeed()
+    assert speed.slowdown(0.0) == 1.0
+    speed.observe(1.0, [], 512)  # a prefill only: no inter-token latency
+    speed.observe(1.1, [0.0, float("nan")], 0)
+    assert speed.steps == 0 and speed.slowdown(1.1) == 1.0
+
+
+def test_the_slowdown_is_clamped() -> None:
+    speed, t = warm()
+    t = run(speed, t, 3 * 150 * STEP_S, step_s=150 * STEP_S)
+    assert speed.slowdown(t) == pytest.approx(100.0)
+    speed2, t2 = warm()
+    t2 = run(speed2, t2, 1.0, step_s=0.1 * STEP_S)
+    assert speed2.slowdown(t2) == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize("kwargs, text", [
+    ({"window_s": 0}, r"window_s=0"),
+    ({"window_s": 10, "stale_s": 5}, r"0 < window_s <= stale_s.*window_s=10.*stale_s=5"),
+    ({"hold_ratio": 1.0}, r"hold_ratio=1\.0"),
+    ({"min_slowdown": 2.0}, r"min_slowdown=2\.0"),
+])
+def test_bad_settings_name_the_value(kwargs: dict, text: str) -> None:
+    with pytest.raises(ValueError, match=text):
+        EngineSpeed(**kwargs)
+
+
+@pytest.mark.parametrize("pairs, median", [
+    ([(1.0, 1.0)], 1.0),
+    ([(1.0, 1.0), (2.0, 1.0)], 1.0),  # the lower median at a tie
+    ([(1.0, 1.0), (2.0, 3.0)], 2.0),  # the weight decides, not the count
+    ([(3.0, 0.5), (0.0, 0.1), (0.0, 0.1), (0.0, 0.1)], 3.0),
+])
+def test_weighted_median(pairs: list, median: float) -> None:
+    assert weighted_median(pairs) == median
+
+
+@pytest.mark.parametrize("batch, prompt_tokens, key", [(4, 0, (4, 0)), (4, 1, (4, 1)), (4, 512, (4, 10)),
+                                                        (4, 513, (4, 10)), (16, 1024, (16, 11))])
+def test_step_key(batch: int, prompt_tokens: int, key: tuple) -> None:
+    assert step_key(batch, prompt_tokens) == key
+
+
+@settings(max_examples=60, deadline=None)
+@given(factor=st.one_of(st.floats(0.26, 0.49), st.floats(2.01, 90.0)), batch=st.integers(1, 16))
+def test_any_slowdown_past_the_hold_ratio_is_read_as_itself(factor: float, batch: int) -> None:
+    speed = EngineSpeed()
+    t = run(speed, 0.0, 20.0, batch=batch)
+    t = run(speed, t, max(2.0, 3 * factor * STEP_S), step_s=factor * STEP_S, batch=batch)
+    assert speed.slowdown(t) == pytest.approx(factor, rel=1e-6)
