@@ -216,8 +216,9 @@ class EngineStats:
     are ``None`` when there are none. ``requests_total`` counts requests handed to vLLM since
     start (not those refused for bad sampling arguments); ``aborted_total`` those of them
     aborted because their consumer stopped early. ``slowdown``: how many times slower the
-    engine steps now than it did lately at the same batch (`policies.engine_speed`; 1 until
-    it has stepped).
+    engine steps now than it did lately at the same batch, or, while requests are in flight
+    and it has not stepped for longer than its longest usual step, that gap over that step
+    (`policies.engine_speed`; 1 until it has stepped).
     """
 
     num_running_reqs: int
@@ -496,7 +497,7 @@ class LLMEngine:
             avg_latency_ms=self._latency_ms.mean(),
             requests_total=self._requests_total,
             aborted_total=self._aborted_total,
-            slowdown=round(self.speed.slowdown(self._clock()), 3),
+            slowdown=round(self.speed.slowdown(self._clock(), busy=self._inflight > 0), 3),
         )
 
     # --- internals --------------------------------------------------------------------------
@@ -505,6 +506,10 @@ class LLMEngine:
         if snapshot.num_waiting_reqs != self._scheduler.num_waiting_reqs:
             self.waiting_changes.append((time.time(), snapshot.num_waiting_reqs))
         self._scheduler = snapshot
+
+    def speed_state(self) -> dict[str, float | int]:
+        """`EngineSpeed.state` now: the slowdown, the steps it rests on, the steps seen, the kinds."""
+        return self.speed.state(self._clock(), busy=self._inflight > 0)
 
     def _on_step(self, itls_s: list[float], prompt_tokens: int) -> None:
         self.speed.observe(self._clock(), itls_s, prompt_tokens)

@@ -249,6 +249,8 @@ class VLLMModel:
             "dropped_late": self.dropped_late,
             "engine_alive": not self.engine.errored,
             "engine_core_pids": self.engine.engine_core_pids(),
+            # the engine's steps read against steps like them (`policies.engine_speed`): slowdown, steps
+            "engine_speed": self.engine.speed_state(),
             "engine_failures": self.engine_failures,
             "cpu_isolation": self.cpu_isolation.describe(),
             "gpu": {"available": gpu.available, "reason": gpu.reason, "read_errors": self.gpu.read_errors,

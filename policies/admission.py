@@ -99,6 +99,15 @@ The rule, and why:
   again, ``ceil((ahead + 1 - max_admitted(c)) / rate_per_s)`` (the saturation rate), clamped to
   ``[min_retry_after_s, max_retry_after_s]``: it grows with the backlog instead of inviting every
   refused client back at once after a constant.
+- **The engine's speed, read at its steps** (`set_speed`, `policies.engine_speed`). The model
+  learns from completions, which a starved engine (a noisy neighbour on its CPUs, a throttled
+  GPU) stops delivering for as long as its slowed requests run. So each model replica also
+  measures how many times slower its engine steps now than it did lately at the same batch,
+  the ingress reads it every half second, and the door predicts with its model times that
+  slowdown (less a margin of a quarter: noise changes no cap), and divides each completion by
+  its mean slowdown over its life before the model learns it: the model keeps the engine's
+  usual speed, and the slowdown says how far from it the engine is now, so the caps fall
+  within about a second of a starvation and come back the moment it ends.
 - **Late work is dropped, not computed.** Each admitted request carries ``deadline_at = now +
   e2e_p99``; `should_drop` tells the model deployment, just before the engine starts it, that it
   can no longer finish in time. Its answer would miss the SLO anyway, and computing it would
@@ -149,7 +158,7 @@ which the ingress calls with the counts the policy actor publishes), and its ``m
 what it has beyond that share divided by ``m``: summed over the ingress replicas, the requests
 waiting per model replica, which is what queue triggers sized against one engine expect. A
 stalled engine (no completions at all) does not move the model, but the cap still bounds what
-is admitted meanwhile.
+is admitted meanwhile, and the engine's speed read at its steps lowers it (below).
 
 Wiring (the ingress)::
 
@@ -161,6 +170,7 @@ Wiring (the ingress)::
     in_flight += 1; mark = share.mark(now, in_flight)   # a ShareClock; request["priority"] = klass.vllm_priority
     ...; in_flight -= 1; end = share.mark(time.time(), in_flight)
     admission.observe_completion(time.time(), latency_s, end - mark)   # served by the model only
+    admission.set_speed(model_replica_health["slowdown"], time.time())   # every probe (0.5 s)
     admission.set_level(level, time.time(), in_flight)   # whenever the level in force changes;
     admission.end_hold()                     # ... and when the last request admitted before it leaves
     # on reconfigure(): admission.update(policy.slo, policy.admission or AdmissionConfig())
@@ -1132,12 +1142,16 @@ class AdmissionController:
         from it the engine is now. Without this, a starved engine (a noisy neighbour on its
         CPUs) finishes nothing for as long as its slowed requests run, the door admits up to
         caps it no longer meets, and the completions that finally arrive teach the model a
-        slowness that is already over. In the door's model (`bench/door_sim.py`, the knee-shaped
-        engine, ten times slower for 30 s at 2.3 req/s, 16 seeds, the slowdown known 1 s late):
-        the requests sent after the slow phase 71.8 -> 96.1% within the SLO, those sent during it
-        late 15.0 -> 8.1% (refused instead, at once). Scaling the predictions without dividing
-        the completions by it: 82.6%, and with the slowdown 3 s late worse than without it
-        (66.5%); dividing them too: 95.1% at 3 s late.
+        slowness that is already over. In the door's model (`bench/door_sim.py --speed-lag`, the
+        knee-shaped engine, 2.3 req/s with the mix, 48 seeds, the same for each setting;
+        bench/results/door_sim_speed.json), ten times slower for 30 s and the slowdown known 1 s
+        late: the requests sent after the slow phase 70.9 -> 95.0% within the SLO, those sent
+        during it late 15.2 -> 8.2% (refused at once instead), goodput 1.31 -> 1.62 req/s;
+        three times slower 92.1 -> 96.2% after, twice 93.3 -> 96.7%; known 2 s late 94.3 / 93.7
+        / 94.4%. A prototype that scaled the predictions but let the model learn the slow
+        completions as they came (16 seeds, no margin): 82.6% after ten times slower, and, known
+        3 s late, worse than not knowing (66.5% against 71.8%): the slowness it learned outlived
+        the starvation again.
 
         What the door applies is the reading less a margin of `SPEED_MARGIN` either way (``f /
         1.25`` above 1.25, ``f * 1.25`` below 1 / 1.25, 1 between), continuous in the reading: a

@@ -39,9 +39,16 @@ The rule, and why:
   during a starvation the reference keeps the engine's normal speed, and the slowdown falls
   back to 1 the moment the starvation ends. A key first seen during a slowdown starts from its
   step divided by the slowdown in force, so it agrees with the other keys.
-- **No step at all** (an engine core stopped outright) reads as no information: the last value
-  holds. A prefill of a long prompt can take many decode steps' time, so a gap between steps
-  is not a stall by itself; a dead engine is the health check's to find.
+- **No step at all while the engine has work** is a stall, and reads as at least the time since
+  its last step over the longest step it usually takes (the largest reference of any kind of
+  step, prefills included): ``slowdown(now, busy=True)``. Measured (12-05, 2-core AVX2 EPYC,
+  two busy processes started beside `make serve`'s app under load): the engine core made no
+  step at all for the first 13 s of the neighbour, then steps 20-35 times slower; without the
+  bound the slowdown read 1 for those 13 s (no step, no reading) and the door admitted as if
+  nothing had happened. The longest usual step, not the step of the batch in force, so that a
+  prefill of the longest prompt seen is not a stall; a prefill longer than any seen reads as
+  slower for as long as it runs beyond that (then it is a kind with a reference of its own).
+  A dead engine is the health check's to find.
 """
 
 from __future__ import annotations
@@ -78,7 +85,7 @@ class EngineSpeed:
     """The engine's step time now over its step time lately. See the module docstring."""
 
     __slots__ = ("window_s", "stale_s", "hold_ratio", "idle_tau_s", "min_slowdown", "max_slowdown", "_ref",
-                 "_recent", "_held", "steps")
+                 "_recent", "_held", "steps", "_last_step_at")
 
     def __init__(self, window_s: float = 1.0, hold_ratio: float = 2.0, idle_tau_s: float = 10.0,
                  min_slowdown: float = 0.25, max_slowdown: float = 100.0, stale_s: float = 10.0) -> None:
@@ -97,11 +104,13 @@ class EngineSpeed:
         self._recent: collections.deque[tuple[float, float, float]] = collections.deque(maxlen=KEEP_STEPS)
         self._held = (0.0, None)  # (log slowdown, when measured): what an idle window falls back on
         self.steps = 0  # steps observed
+        self._last_step_at: float | None = None  # the latest engine output of any kind (`observe`)
 
     def observe(self, now: float, itls_s: Sequence[float], prompt_tokens: int = 0) -> None:
         """One engine step at ``now``: the inter-token latencies (seconds) of the sequences that
         decoded in it, and the prompt tokens it prefilled. A step where nothing decoded says
-        nothing (no inter-token latency) and is ignored."""
+        nothing about the speed (no inter-token latency), but it is progress: it ends a stall."""
+        self._last_step_at = now if self._last_step_at is None else max(self._last_step_at, now)
         times = [x for x in itls_s if x > 0 and math.isfinite(x)]
         if not times:
             return
@@ -122,10 +131,18 @@ class EngineSpeed:
             ref[1] = min(ref[1] + 1.0, REF_STEPS)
             ref[0] += (x - ref[0]) / ref[1]
 
-    def slowdown(self, now: float) -> float:
+    def slowdown(self, now: float, busy: bool = False) -> float:
         """The step time now over the reference (1: as lately; 10: ten times slower), within
-        ``[min_slowdown, max_slowdown]``."""
-        return math.exp(self._log_slowdown(now))
+        ``[min_slowdown, max_slowdown]``. ``busy``: the engine has requests to step now; then a
+        stall (no step for longer than its longest usual step) reads as at least its length over
+        that step."""
+        value = self._log_slowdown(now)
+        if busy and self._last_step_at is not None and self._ref:
+            longest = max(ref[0] for ref in self._ref.values())
+            gap = now - self._last_step_at
+            if gap > 0:
+                value = max(value, min(math.log(self.max_slowdown), math.log(gap) - longest))
+        return math.exp(value)
 
     def _reading(self, now: float) -> list[tuple[float, float, float]]:
         """The steps the slowdown rests on now: those that ended within ``window_s``, or, where
@@ -151,11 +168,12 @@ class EngineSpeed:
             value = 0.0 if at is None else held * math.exp(-max(0.0, now - at) / self.idle_tau_s)
         return min(math.log(self.max_slowdown), max(math.log(self.min_slowdown), value))
 
-    def state(self, now: float) -> dict[str, float | int]:
-        """What an operator reads: the slowdown, the steps in the window and observed in all, and
-        the keys with a reference."""
-        return {"slowdown": round(self.slowdown(now), 3), "window_steps": len(self._reading(now)),
-                "steps": self.steps, "keys": len(self._ref)}
+    def state(self, now: float, busy: bool = False) -> dict[str, float | int | None]:
+        """What an operator reads: the slowdown, the steps it rests on, the steps observed, the
+        kinds of step with a reference, and the seconds since the engine's last output."""
+        return {"slowdown": round(self.slowdown(now, busy), 3), "window_steps": len(self._reading(now)),
+                "steps": self.steps, "keys": len(self._ref),
+                "since_step_s": None if self._last_step_at is None else round(now - self._last_step_at, 3)}
 
 
 __all__ = ["EngineSpeed", "KEEP_STEPS", "MIN_STEPS", "REF_STEPS", "step_key", "weighted_median"]

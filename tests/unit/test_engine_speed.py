@@ -31,7 +31,7 @@ def warm() -> tuple[EngineSpeed, float]:
 def test_steps_at_the_usual_speed_read_one() -> None:
     speed, t = warm()
     assert speed.slowdown(t) == pytest.approx(1.0)
-    assert speed.state(t) == {"slowdown": 1.0, "window_steps": 20, "steps": 400, "keys": 1}
+    assert speed.state(t) == {"slowdown": 1.0, "window_steps": 20, "steps": 400, "keys": 1, "since_step_s": 0.0}
 
 
 def test_a_starved_engine_reads_its_slowdown_within_a_step_and_the_end_of_it_at_once() -> None:
@@ -151,3 +151,26 @@ def test_any_slowdown_past_the_hold_ratio_is_read_as_itself(factor: float, batch
     t = run(speed, 0.0, 20.0, batch=batch)
     t = run(speed, t, max(2.0, 3 * factor * STEP_S), step_s=factor * STEP_S, batch=batch)
     assert speed.slowdown(t) == pytest.approx(factor, rel=1e-6)
+
+
+def test_a_stall_while_busy_reads_as_its_length_over_the_longest_usual_step() -> None:
+    speed, t = warm()  # the usual decode step: 0.05 s
+    t = run(speed, t, 2.0, step_s=0.4, batch=1, prompt_tokens=2000)  # and long prefills: 0.4 s each
+    t = run(speed, t, 1.0)
+    assert speed.slowdown(t, busy=True) == pytest.approx(1.0)
+    # no step for 0.3 s: shorter than a usual prefill, not a stall
+    assert speed.slowdown(t + 0.3, busy=True) == pytest.approx(1.0)
+    # no step for 4 s while busy: at least ten times the longest usual step
+    assert speed.slowdown(t + 4.0, busy=True) == pytest.approx(10.0, rel=1e-6)
+    assert speed.slowdown(t + 4.0, busy=False) == pytest.approx(1.0)  # idle: nothing to step
+    assert speed.state(t + 4.0, busy=True)["since_step_s"] == pytest.approx(4.0)
+    speed.observe(t + 4.0, [], 30)  # a prefill-only output: progress, the stall is over
+    assert speed.slowdown(t + 4.1, busy=True) == pytest.approx(1.0)
+    # the stall's step, when it ends, is a reading of its own (long, weighted by its time)
+    speed.observe(t + 8.0, [3.9] * 4)
+    assert speed.slowdown(t + 8.0, busy=True) == pytest.approx(3.9 / STEP_S)
+    assert speed.slowdown(t + 1000.0, busy=True) == pytest.approx(100.0)  # clamped
+
+
+def test_before_any_step_a_busy_engine_reads_one() -> None:
+    assert EngineSpeed().slowdown(5.0, busy=True) == 1.0
