@@ -317,6 +317,7 @@ class LLMEngine:
         self._requests_total = 0
         self._aborted_total = 0
         self.speed = EngineSpeed()  # the steps' time now over lately (`stats().slowdown`)
+        self._busy_since: float | None = None  # when the requests in flight began, after idle (`speed`)
 
     @property
     def started(self) -> bool:
@@ -440,6 +441,8 @@ class LLMEngine:
         finished = False
         if engine.errored:
             raise engine_error(engine.dead_error)
+        if self._inflight == 0:
+            self._busy_since = self._clock()
         self._inflight += 1
         self._requests_total += 1
         stream = engine.generate(engine_input, params, request_id, priority=priority)
@@ -480,6 +483,8 @@ class LLMEngine:
             raise
         finally:
             self._inflight -= 1
+            if self._inflight == 0:
+                self._busy_since = None
             await stream.aclose()
 
     def stats(self) -> EngineStats:
@@ -497,7 +502,7 @@ class LLMEngine:
             avg_latency_ms=self._latency_ms.mean(),
             requests_total=self._requests_total,
             aborted_total=self._aborted_total,
-            slowdown=round(self.speed.slowdown(self._clock(), busy=self._inflight > 0), 3),
+            slowdown=round(self.speed.slowdown(self._clock(), self._busy_since), 3),
         )
 
     # --- internals --------------------------------------------------------------------------
@@ -509,7 +514,7 @@ class LLMEngine:
 
     def speed_state(self) -> dict[str, float | int]:
         """`EngineSpeed.state` now: the slowdown, the steps it rests on, the steps seen, the kinds."""
-        return self.speed.state(self._clock(), busy=self._inflight > 0)
+        return self.speed.state(self._clock(), self._busy_since)
 
     def _on_step(self, itls_s: list[float], prompt_tokens: int) -> None:
         self.speed.observe(self._clock(), itls_s, prompt_tokens)

@@ -41,7 +41,8 @@ The rule, and why:
   step divided by the slowdown in force, so it agrees with the other keys.
 - **No step at all while the engine has work** is a stall, and reads as at least the time since
   its last step over the longest step it usually takes (the largest reference of any kind of
-  step, prefills included): ``slowdown(now, busy=True)``. Measured (12-05, 2-core AVX2 EPYC,
+  step, prefills included), the time counted from the later of its last step and the moment
+  it last got work after being idle (``slowdown(now, busy_since)``). Measured (12-05, 2-core AVX2 EPYC,
   two busy processes started beside `make serve`'s app under load): the engine core made no
   step at all for the first 13 s of the neighbour, then steps 20-35 times slower; without the
   bound the slowdown read 1 for those 13 s (no step, no reading) and the door admitted as if
@@ -131,15 +132,16 @@ class EngineSpeed:
             ref[1] = min(ref[1] + 1.0, REF_STEPS)
             ref[0] += (x - ref[0]) / ref[1]
 
-    def slowdown(self, now: float, busy: bool = False) -> float:
+    def slowdown(self, now: float, busy_since: float | None = None) -> float:
         """The step time now over the reference (1: as lately; 10: ten times slower), within
-        ``[min_slowdown, max_slowdown]``. ``busy``: the engine has requests to step now; then a
-        stall (no step for longer than its longest usual step) reads as at least its length over
-        that step."""
+        ``[min_slowdown, max_slowdown]``. ``busy_since``: when the engine, idle before, got the
+        requests it has now (None: it has none); then a stall (no step since the later of that
+        and its last step, for longer than its longest usual step) reads as at least its length
+        over that step."""
         value = self._log_slowdown(now)
-        if busy and self._last_step_at is not None and self._ref:
+        if busy_since is not None and self._last_step_at is not None and self._ref:
             longest = max(ref[0] for ref in self._ref.values())
-            gap = now - self._last_step_at
+            gap = now - max(self._last_step_at, busy_since)
             if gap > 0:
                 value = max(value, min(math.log(self.max_slowdown), math.log(gap) - longest))
         return math.exp(value)
@@ -168,10 +170,10 @@ class EngineSpeed:
             value = 0.0 if at is None else held * math.exp(-max(0.0, now - at) / self.idle_tau_s)
         return min(math.log(self.max_slowdown), max(math.log(self.min_slowdown), value))
 
-    def state(self, now: float, busy: bool = False) -> dict[str, float | int | None]:
+    def state(self, now: float, busy_since: float | None = None) -> dict[str, float | int | None]:
         """What an operator reads: the slowdown, the steps it rests on, the steps observed, the
         kinds of step with a reference, and the seconds since the engine's last output."""
-        return {"slowdown": round(self.slowdown(now, busy), 3), "window_steps": len(self._reading(now)),
+        return {"slowdown": round(self.slowdown(now, busy_since), 3), "window_steps": len(self._reading(now)),
                 "steps": self.steps, "keys": len(self._ref),
                 "since_step_s": None if self._last_step_at is None else round(now - self._last_step_at, 3)}
 

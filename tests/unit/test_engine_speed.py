@@ -157,20 +157,23 @@ def test_a_stall_while_busy_reads_as_its_length_over_the_longest_usual_step() ->
     speed, t = warm()  # the usual decode step: 0.05 s
     t = run(speed, t, 2.0, step_s=0.4, batch=1, prompt_tokens=2000)  # and long prefills: 0.4 s each
     t = run(speed, t, 1.0)
-    assert speed.slowdown(t, busy=True) == pytest.approx(1.0)
+    busy = t - 30.0  # busy all along
+    assert speed.slowdown(t, busy) == pytest.approx(1.0)
     # no step for 0.3 s: shorter than a usual prefill, not a stall
-    assert speed.slowdown(t + 0.3, busy=True) == pytest.approx(1.0)
+    assert speed.slowdown(t + 0.3, busy) == pytest.approx(1.0)
     # no step for 4 s while busy: at least ten times the longest usual step
-    assert speed.slowdown(t + 4.0, busy=True) == pytest.approx(10.0, rel=1e-6)
-    assert speed.slowdown(t + 4.0, busy=False) == pytest.approx(1.0)  # idle: nothing to step
-    assert speed.state(t + 4.0, busy=True)["since_step_s"] == pytest.approx(4.0)
+    assert speed.slowdown(t + 4.0, busy) == pytest.approx(10.0, rel=1e-6)
+    assert speed.slowdown(t + 4.0, None) == pytest.approx(1.0)  # idle: nothing to step
+    # idle for 3.6 s, then busy for 0.4 s: the idle time is no stall
+    assert speed.slowdown(t + 4.0, t + 3.6) == pytest.approx(1.0)
+    assert speed.state(t + 4.0, busy)["since_step_s"] == pytest.approx(4.0)
     speed.observe(t + 4.0, [], 30)  # a prefill-only output: progress, the stall is over
-    assert speed.slowdown(t + 4.1, busy=True) == pytest.approx(1.0)
+    assert speed.slowdown(t + 4.1, busy) == pytest.approx(1.0)
     # the stall's step, when it ends, is a reading of its own (long, weighted by its time)
     speed.observe(t + 8.0, [3.9] * 4)
-    assert speed.slowdown(t + 8.0, busy=True) == pytest.approx(3.9 / STEP_S)
-    assert speed.slowdown(t + 1000.0, busy=True) == pytest.approx(100.0)  # clamped
+    assert speed.slowdown(t + 8.0, busy) == pytest.approx(3.9 / STEP_S)
+    assert speed.slowdown(t + 1000.0, busy) == pytest.approx(100.0)  # clamped
 
 
 def test_before_any_step_a_busy_engine_reads_one() -> None:
-    assert EngineSpeed().slowdown(5.0, busy=True) == 1.0
+    assert EngineSpeed().slowdown(5.0, 0.0) == 1.0
