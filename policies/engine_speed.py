@@ -40,15 +40,22 @@ The rule, and why:
   back to 1 the moment the starvation ends. A key first seen during a slowdown starts from its
   step divided by the slowdown in force, so it agrees with the other keys.
 - **No step at all while the engine has work** is a stall, and reads as at least the time since
-  its last step over the longest step it usually takes (the largest reference of any kind of
-  step, prefills included), the time counted from the later of its last step and the moment
-  it last got work after being idle (``slowdown(now, busy_since)``). Measured (12-05, 2-core AVX2 EPYC,
+  its last step over `STALL_MARGIN` (2) times the longest step it usually takes (the largest
+  reference of any kind of step, prefills beside decodes included), counted from its last
+  step and only where that step came after the engine last got work after being idle
+  (``slowdown(now, busy_since)``), and once it has stepped `STALL_STEPS` (100) times. A
+  request that finds the engine idle is prefilled alone, a step with no inter-token latency
+  (no reference), which takes several decode steps' time: a first version of the bound counted
+  from the moment the engine got the work and read those prefills as stalls (3-7 x for a few
+  hundred milliseconds, several times a minute at 0.93 req/s after `make serve`); the engine
+  has stepped in this busy time once a request has its first token. Measured (12-05, 2-core AVX2 EPYC,
   two busy processes started beside `make serve`'s app under load): the engine core made no
   step at all for the first 13 s of the neighbour, then steps 20-35 times slower; without the
   bound the slowdown read 1 for those 13 s (no step, no reading) and the door admitted as if
-  nothing had happened. The longest usual step, not the step of the batch in force, so that a
-  prefill of the longest prompt seen is not a stall; a prefill longer than any seen reads as
-  slower for as long as it runs beyond that (then it is a kind with a reference of its own).
+  nothing had happened. The longest usual step, not the step of the batch in force, and twice
+  it, so that a prefill of the longest prompt seen, or one a little longer, is not a stall; a
+  prefill longer than that reads as slower for as long as it runs beyond it (then it is a
+  kind with a reference of its own).
   A dead engine is the health check's to find.
 """
 
@@ -62,6 +69,8 @@ from collections.abc import Sequence
 REF_STEPS = 200  # steps a key's reference averages over (then an exponential average of that reach)
 MIN_STEPS = 3  # steps a reading rests on, at least
 KEEP_STEPS = 512  # steps kept for the window (more than a second of steps on any engine measured)
+STALL_MARGIN = 2.0  # a time without a step reads as a stall past this many times the longest usual step
+STALL_STEPS = 100  # steps observed before a time without one can read as a stall
 
 
 def weighted_median(pairs: Sequence[tuple[float, float]]) -> float:
@@ -135,13 +144,14 @@ class EngineSpeed:
     def slowdown(self, now: float, busy_since: float | None = None) -> float:
         """The step time now over the reference (1: as lately; 10: ten times slower), within
         ``[min_slowdown, max_slowdown]``. ``busy_since``: when the engine, idle before, got the
-        requests it has now (None: it has none); then a stall (no step since the later of that
-        and its last step, for longer than its longest usual step) reads as at least its length
-        over that step."""
+        requests it has now (None: it has none); then a stall (no step for longer than twice
+        its longest usual step, since a step made after ``busy_since``) reads as at least its
+        length over twice that step, once it has stepped `STALL_STEPS` times."""
         value = self._log_slowdown(now)
-        if busy_since is not None and self._last_step_at is not None and self._ref:
-            longest = max(ref[0] for ref in self._ref.values())
-            gap = now - max(self._last_step_at, busy_since)
+        last = self._last_step_at
+        if busy_since is not None and last is not None and last >= busy_since and self.steps >= STALL_STEPS:
+            longest = max(ref[0] for ref in self._ref.values()) + math.log(STALL_MARGIN)
+            gap = now - last
             if gap > 0:
                 value = max(value, min(math.log(self.max_slowdown), math.log(gap) - longest))
         return math.exp(value)
@@ -178,4 +188,5 @@ class EngineSpeed:
                 "since_step_s": None if self._last_step_at is None else round(now - self._last_step_at, 3)}
 
 
-__all__ = ["EngineSpeed", "KEEP_STEPS", "MIN_STEPS", "REF_STEPS", "step_key", "weighted_median"]
+__all__ = ["EngineSpeed", "KEEP_STEPS", "MIN_STEPS", "REF_STEPS", "STALL_MARGIN", "STALL_STEPS", "step_key",
+           "weighted_median"]

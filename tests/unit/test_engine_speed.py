@@ -8,7 +8,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.engine_speed import MIN_STEPS, REF_STEPS, EngineSpeed, step_key, weighted_median
+from policies.engine_speed import (
+    MIN_STEPS,
+    REF_STEPS,
+    STALL_MARGIN,
+    STALL_STEPS,
+    EngineSpeed,
+    step_key,
+    weighted_median,
+)
 
 STEP_S = 0.05  # a decode step of the batch below, at the engine's usual speed
 
@@ -153,19 +161,23 @@ def test_any_slowdown_past_the_hold_ratio_is_read_as_itself(factor: float, batch
     assert speed.slowdown(t) == pytest.approx(factor, rel=1e-6)
 
 
-def test_a_stall_while_busy_reads_as_its_length_over_the_longest_usual_step() -> None:
+def test_a_stall_while_busy_reads_as_its_length_over_twice_the_longest_usual_step() -> None:
     speed, t = warm()  # the usual decode step: 0.05 s
     t = run(speed, t, 2.0, step_s=0.4, batch=1, prompt_tokens=2000)  # and long prefills: 0.4 s each
     t = run(speed, t, 1.0)
     busy = t - 30.0  # busy all along
     assert speed.slowdown(t, busy) == pytest.approx(1.0)
-    # no step for 0.3 s: shorter than a usual prefill, not a stall
-    assert speed.slowdown(t + 0.3, busy) == pytest.approx(1.0)
-    # no step for 4 s while busy: at least ten times the longest usual step
-    assert speed.slowdown(t + 4.0, busy) == pytest.approx(10.0, rel=1e-6)
+    # no step for 0.7 s: shorter than twice a usual prefill, not a stall
+    assert speed.slowdown(t + 0.7, busy) == pytest.approx(1.0)
+    # no step for 4 s while busy: at least five times twice the longest usual step
+    assert speed.slowdown(t + 4.0, busy) == pytest.approx(5.0, rel=1e-6)
     assert speed.slowdown(t + 4.0, None) == pytest.approx(1.0)  # idle: nothing to step
-    # idle for 3.6 s, then busy for 0.4 s: the idle time is no stall
-    assert speed.slowdown(t + 4.0, t + 3.6) == pytest.approx(1.0)
+    # idle, then work: no stall until the engine has stepped in this busy time (its first
+    # request's prefill, alone, has no reference)
+    assert speed.slowdown(t + 4.0, t + 0.5) == pytest.approx(1.0)
+    speed.observe(t + 4.2, [], 30)  # that prefill's first token: from here a time without a step counts
+    assert speed.slowdown(t + 8.2, t + 0.5) == pytest.approx(5.0, rel=1e-6)
+    t = t + 4.2
     assert speed.state(t + 4.0, busy)["since_step_s"] == pytest.approx(4.0)
     speed.observe(t + 4.0, [], 30)  # a prefill-only output: progress, the stall is over
     assert speed.slowdown(t + 4.1, busy) == pytest.approx(1.0)
@@ -177,3 +189,12 @@ def test_a_stall_while_busy_reads_as_its_length_over_the_longest_usual_step() ->
 
 def test_before_any_step_a_busy_engine_reads_one() -> None:
     assert EngineSpeed().slowdown(5.0, 0.0) == 1.0
+
+
+def test_a_fresh_engine_reads_no_stall_before_it_has_stepped_enough() -> None:
+    speed = EngineSpeed()
+    t = run(speed, 0.0, (STALL_STEPS - 1) * STEP_S)  # one step short
+    assert speed.steps == STALL_STEPS - 1
+    assert speed.slowdown(t + 3.0, 0.0) == pytest.approx(1.0)  # 3 s without a step: not yet read as a stall
+    t = run(speed, t, STEP_S)
+    assert speed.slowdown(t + 3.0, 0.0) == pytest.approx(3.0 / (STALL_MARGIN * STEP_S))
