@@ -503,7 +503,7 @@ class LLMEngine:
             avg_latency_ms=self._latency_ms.mean(),
             requests_total=self._requests_total,
             aborted_total=self._aborted_total,
-            slowdown=round(self.speed.slowdown(self._clock(), self._busy_since), 3),
+            slowdown=self.slowdown(),
         )
 
     # --- internals --------------------------------------------------------------------------
@@ -513,7 +513,12 @@ class LLMEngine:
             self.waiting_changes.append((time.time(), snapshot.num_waiting_reqs))
         self._scheduler = snapshot
 
-    def speed_state(self) -> dict[str, float | int]:
+    def slowdown(self) -> float:
+        """How many times slower the engine steps now than lately (`EngineStats.slowdown`);
+        cheap, for a probe every half second."""
+        return round(self.speed.slowdown(self._clock(), self._busy_since), 3)
+
+    def speed_state(self) -> dict[str, float | int | None]:
         """`EngineSpeed.state` now: the slowdown, the steps it rests on, the steps seen, the kinds."""
         return self.speed.state(self._clock(), self._busy_since)
 

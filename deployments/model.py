@@ -268,7 +268,7 @@ class VLLMModel:
         "pid", "slowdown"}``; ``slowdown``: how many times slower the engine steps now than it
         did lately at the same batch (`policies.engine_speed`), which the ingress's admission
         predicts with."""
-        slowdown = self.engine.stats().slowdown
+        slowdown = self.engine.slowdown()
         try:
             await self.engine.check_health()
         except EngineError as err:

@@ -8,7 +8,6 @@ vLLM-specific and runs in the integration fault test, `tests/integration/test_fa
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -37,8 +36,8 @@ class StubEngine:
         if self.dead:
             raise EngineError("the model's engine process has died", dead=True)
 
-    def stats(self) -> Any:
-        return SimpleNamespace(slowdown=2.5)  # `EngineStats.slowdown`: what the ingress's door predicts with
+    def slowdown(self) -> float:
+        return 2.5  # `LLMEngine.slowdown`: what the ingress's door predicts with
 
     async def generate(self, prompt: str, sampling: Any, request_id: str, prompt_ids: Any = None,
                        priority: int = 0) -> AsyncIterator[Delta]:
