@@ -217,8 +217,8 @@ class EngineStats:
     start (not those refused for bad sampling arguments); ``aborted_total`` those of them
     aborted because their consumer stopped early. ``slowdown``: how many times slower the
     engine steps now than it did lately at the same batch, or, while requests are in flight
-    and it has not stepped for longer than twice its longest usual step, that gap over twice
-    that step
+    and it has not stepped for longer than ten times its longest usual step, that gap over
+    ten times that step
     (`policies.engine_speed`; 1 until it has stepped).
     """
 
