@@ -34,10 +34,10 @@ The rule, and why:
   holds and fades towards 1 with time constant ``idle_tau_s`` (10 s): an idle engine says
   nothing about its speed, and a pessimistic value must not outlive what it measured.
 - **The reference follows slow drift, not starvation.** It learns a step only while the
-  slowdown, and that step's own ratio, are within ``hold_ratio`` (2) of 1 either way. A machine a fifth slower for an hour is absorbed
-  within a few hundred steps (the admission model then learns it from completions), while
-  during a starvation the reference keeps the engine's normal speed, and the slowdown falls
-  back to 1 the moment the starvation ends. A key first seen during a slowdown starts from its
+  slowdown, and that step's own ratio, are within ``hold_ratio`` (2) of 1 either way. A
+  machine a fifth slower for an hour is absorbed within a few hundred steps (the admission
+  model then learns it from completions), while during a starvation the reference keeps the
+  engine's normal speed, and the slowdown falls back to 1 the moment the starvation ends. A key first seen during a slowdown starts from its
   step divided by the slowdown in force, so it agrees with the other keys.
 - **No step at all while the engine has work** is a stall, and reads as at least the time since
   its last step over `STALL_MARGIN` (10) times the longest step it usually takes (the largest
@@ -57,8 +57,10 @@ The rule, and why:
   oscillating load a gap of about a second at a level change (the requests in flight then
   finished within the SLO, a second later than usual) read 6 x, held every cap at 1 for
   2 s and refused a critical request; ten times the longest step (about 0.1 s there) reads that
-  gap as 1, and a stall of 13 s as 10 x. A prefill longer than ten times any step seen reads as
-  slower for as long as it runs beyond that (then it is a kind with a reference of its own).
+  gap as 1. The price: beside the neighbour, where the longest usual step was a prefill beside
+  decodes of about 0.5 s, the stall read past the door's margin 3-7 s into it (1.6 s with
+  twice). A prefill longer than ten times any step seen reads as slower for as long as it runs
+  beyond that (then it is a kind with a reference of its own).
   A dead engine is the health check's to find.
 """
 
