@@ -137,7 +137,7 @@ def simulate(setting: Setting, rate: float, seed: int, scale: float = 1.0, shape
     during_slow = {"offered": 0, "refused": 0, "late": 0}
 
     def slow_at(x: float) -> float:
-        return slow[2] if slow is not None and slow[0] <= x - start < slow[1] else 1.0
+        return slow[2] if slow is not None and during(x) else 1.0
 
     def start_request(arrived: float, klass: Criticality, now: float) -> None:
         running.append([arrived, 0.0, math.exp(rng.gauss(0.0, noise)), share.mark(now, len(running) + 1), klass])

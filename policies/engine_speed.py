@@ -134,9 +134,8 @@ class EngineSpeed:
         x = math.log(step_s)
         key = step_key(batch, prompt_tokens)
         ref = self._ref.get(key)
-        log_now = self._log_slowdown(now)
         if ref is None:  # agree with the other keys: this step at the slowdown in force
-            self._ref[key] = ref = [x - log_now, 0.0]
+            self._ref[key] = ref = [x - self._log_slowdown(now), 0.0]
         r = x - ref[0]
         self._recent.append((now, r, step_s))
         self.steps += 1

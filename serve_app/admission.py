@@ -344,10 +344,9 @@ class AdmissionGate:
         if not (isinstance(slowdown, (int, float)) and math.isfinite(slowdown) and slowdown > 0):
             return
         self._speeds[replica] = (float(slowdown), now)
-        fresh = [f for f, at in self._speeds.values() if 0.0 <= now - at <= SPEED_FRESH_S]
         self._speeds = {r: v for r, v in self._speeds.items() if 0.0 <= now - v[1] <= SPEED_FRESH_S}
-        if self.controller is not None and fresh:
-            self.controller.set_speed(sum(fresh) / len(fresh), now)
+        if self.controller is not None:  # the replica just read is fresh: never an empty mean
+            self.controller.set_speed(sum(f for f, _ in self._speeds.values()) / len(self._speeds), now)
         if self._queue:  # a faster engine may have room for those waiting at the door
             self._hand_over()
 
