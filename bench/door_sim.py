@@ -61,7 +61,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from policies.admission import AdmissionController, Criticality, ShareClock  # noqa: E402
-from policies.config import AdmissionConfig, SloConfig  # noqa: E402
+from policies.config import AdmissionConfig, ClassShares, SloConfig  # noqa: E402
 
 CLASSES = tuple(Criticality)
 BATCH = 16
@@ -84,9 +84,13 @@ def engine_latency(n: float, shape: str = "concave") -> float:
     return within * max(1.0, n / BATCH)
 
 
+DEFAULT_SHARES: tuple[float, float, float] = (
+    ClassShares().critical, ClassShares().standard, ClassShares().sheddable)  # the policy's defaults
+
+
 @dataclass(frozen=True)
 class Setting:
-    shares: tuple[float, float, float] = (1.0, 0.9, 0.75)
+    shares: tuple[float, float, float] = DEFAULT_SHARES
     reserve_quantile: float = 0.99
     critical_wait_share: float = 0.1
     ramp_step: int | None = AdmissionConfig.model_fields["ramp_step"].default  # None: a fifth of the batch
@@ -247,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scale", type=float, default=0.95, help="engine latency multiplier")
     ap.add_argument("--shape", default="concave", choices=SHAPES, help="where a preset day sets none")
     ap.add_argument("--shares", action="append", default=None,
-                    help="class_share critical,standard,sheddable (repeat to compare; default 1,0.9,0.75)")
+                    help="class_share critical,standard,sheddable (repeat to compare; default: the "
+                         "policy's, " + ",".join(f"{s:g}" for s in DEFAULT_SHARES) + ")")
     ap.add_argument("--reserve-quantile", type=float, action="append", default=None)
     ap.add_argument("--ramp-step", type=int, action="append", default=None,
                     help="admission.ramp_step (repeat to compare; 0: no ramp; default: a fifth of the batch, 3)")
@@ -266,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     default_ramp = Setting().ramp_step
     settings = [Setting(shares=tuple(float(x) for x in s.split(",")), reserve_quantile=q,  # type: ignore[arg-type]
                         ramp_step=g, speed_lag_s=None if lag < 0 else lag)
-                for s in (args.shares or ["1,0.9,0.75"]) for q in (args.reserve_quantile or [0.99])
+                for s in (args.shares or [",".join(map(str, DEFAULT_SHARES))]) for q in (args.reserve_quantile or [0.99])
                 for g in (args.ramp_step or [default_ramp]) for lag in (args.speed_lag or [-1.0])]
     for s in settings:
         if len(s.shares) != 3:

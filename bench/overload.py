@@ -1506,6 +1506,8 @@ def single(args: argparse.Namespace) -> int:
            if run["load_steps_s"] else None,
            "slo_met_again_s": run["slo_met_again_s"]}
     (out_dir / f"{stem}.json").write_text(json.dumps(doc, indent=1) + "\n")
+    if args.raw:
+        Path(args.raw).write_text("".join(json.dumps(r) + "\n" for r in bench.raw))
     rep.plot_runs([run], str(out_dir / f"{stem}.png"), f"{profile.name} against {base}", plan.slo.slo_ms)
     print(table([run]))
     if class_table([run]):

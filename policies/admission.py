@@ -17,7 +17,7 @@ The rule, and why:
   is admitted. ``budget_s = slo.e2e_p99_ms - admission.overhead_ms`` (the time spent outside
   what the gate measures is taken off first).
 - **Classes share the budget.** Class c may use ``class_share[c] * budget_s`` (critical 1.0,
-  standard 0.8, sheddable 0.6 by default), so its concurrency cap ``max_admitted(c)`` is the
+  standard 0.9, sheddable 0.9 by default), so its concurrency cap ``max_admitted(c)`` is the
   most requests in flight ``n`` with ``latency_s(n) <= class_share[c] * budget_s`` (at least 1;
   `ServiceModel.max_within`) and it is admitted iff ``ahead < max_admitted(c)``: one integer
   comparison per request. As the backlog grows, sheddable is refused first, then standard;

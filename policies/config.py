@@ -271,17 +271,19 @@ class ClassShares(_Strict):
 
     The measured service model (`policies.admission`: latency = unloaded + per request x
     requests in flight) says how many requests can be in flight and all finish within the
-    budget; class c is admitted while fewer than ``share_c`` of that are in flight. The shipped
-    policy uses 0.9 for standard and sheddable work: the last tenth is kept for critical work, so
-    a critical burst still finds room while the others are already refused, and the order
-    between the classes below comes from the room each leaves for the classes above and the
-    shut-out (`policies.admission`). A lower share for sheddable work refused it at loads the
-    engine serves within the SLO (bench/door_sim.py, bench/RESULTS.md).
+    budget; class c is admitted while fewer than ``share_c`` of that are in flight. The defaults
+    (which the shipped policy writes out) are 0.9 for standard and sheddable work: the last
+    tenth is kept for critical work, so a critical burst still finds room while the others are
+    already refused, and the order between the classes below comes from the room each leaves
+    for the classes above and the shut-out (`policies.admission`). A lower share for sheddable
+    work refused it at loads the engine serves within the SLO (bench/door_sim.py,
+    bench/RESULTS.md, commit 5597027): a policy that sets only ``slo.e2e_p99_ms`` gets the
+    shares that were measured best.
     """
 
     critical: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    standard: float = Field(default=0.8, gt=0.0, le=1.0, allow_inf_nan=False)
-    sheddable: float = Field(default=0.6, gt=0.0, le=1.0, allow_inf_nan=False)
+    standard: float = Field(default=0.9, gt=0.0, le=1.0, allow_inf_nan=False)
+    sheddable: float = Field(default=0.9, gt=0.0, le=1.0, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _ordered(self) -> ClassShares:

@@ -39,7 +39,9 @@ def deploy_admission(deployed: Cluster, http: httpx.Client, admission: dict[str,
     in force (None: until admission is off); restore the shipped policy after."""
     config = deployed.config()
     doc = ingress_deployment(config)["user_config"]["policy"]["degradation"]
-    doc["slo"] = {"e2e_p99_ms": 2000, "default_class": "critical"}
+    # three distinct shares (the default is 1.0 / 0.9 / 0.9), so that each class has a cap of its own
+    doc["slo"] = {"e2e_p99_ms": 2000, "default_class": "critical",
+                  "class_share": {"critical": 1.0, "standard": 0.8, "sheddable": 0.6}}
     doc["admission"] = admission
     assert deployed.serve_deploy(config, "admission.yaml").returncode == 0
     # Level 0 pinned: the refusals these tests provoke raise the level (refused_ratio), and a

@@ -32,7 +32,9 @@ C, S, D = Criticality.CRITICAL, Criticality.STANDARD, Criticality.SHEDDABLE
 
 # Clear numbers: e2e 2100 ms - overhead 100 ms = a 2 s budget; 10 completions/s.
 # Little's law: at most 10 * 2 = 20 in flight; caps critical 20, standard 16, sheddable 12.
-SLO = SloConfig(e2e_p99_ms=2100)
+# Three distinct shares, so that each class's cap shows in the tables (the default is 1.0 / 0.9 / 0.9).
+SPREAD = {"critical": 1.0, "standard": 0.8, "sheddable": 0.6}
+SLO = SloConfig(e2e_p99_ms=2100, class_share=SPREAD)
 # The share tables below hold with no room reserved for more critical classes (reserve_quantile 0);
 # the reservation has its own tests (RESERVING).
 SETTINGS = AdmissionConfig(overhead_ms=100, prior_rate_per_s=10, min_retry_after_s=1, max_retry_after_s=30,
@@ -790,7 +792,7 @@ def test_a_reloaded_policy_applies_a_new_refusal_window() -> None:
 ])
 def test_predicted_wait_is_on_the_slo_scale_when_one_request_alone_takes_much_of_it(
         in_flight: int, wait_ms: float) -> None:
-    ctl = controller(SloConfig(e2e_p99_ms=4000), AdmissionConfig(overhead_ms=100))
+    ctl = controller(SloConfig(e2e_p99_ms=4000, class_share=SPREAD), AdmissionConfig(overhead_ms=100))
     served_at(ctl, 1, base=1.5, per=0.8, seconds=10)
     served_at(ctl, 3, base=1.5, per=0.8, seconds=10, t0=20.0)
     assert ctl.signals(in_flight, 40.0)["predicted_wait_ms"] == pytest.approx(wait_ms, rel=0.01)
@@ -988,7 +990,7 @@ def test_update_keeps_the_measured_model() -> None:
     ctl = controller()
     served_at(ctl, 5, base=0.5, per=0.25, seconds=20)
     measured = ctl.rate_per_s
-    tighter = SloConfig(e2e_p99_ms=1100)  # budget 1 s: caps shrink, the model stays
+    tighter = SloConfig(e2e_p99_ms=1100, class_share=SPREAD)  # budget 1 s: caps shrink, the model stays
     ctl.update(tighter, SETTINGS)
     assert ctl.rate_per_s == measured and ctl.budget_s == pytest.approx(1.0)
     assert ctl.max_admitted(C) == 3  # 0.5 + 0.25 * ahead <= 1: ahead <= 2
@@ -1296,7 +1298,7 @@ def test_unset_smoothing_is_twice_the_latency_alone_and_follows_the_model() -> N
 
 def test_unset_smoothing_tells_a_clump_from_a_step() -> None:
     """One request alone takes 1 s of a 4 s SLO; level 1's trigger is 35% of the SLO."""
-    slo = SloConfig(e2e_p99_ms=4000)
+    slo = SloConfig(e2e_p99_ms=4000, class_share=SPREAD)
     trigger_ms = 0.35 * slo.e2e_p99_ms
 
     def first_over(tau: float | None, counts: list[tuple[float, int]]) -> float | None:

@@ -14,7 +14,9 @@ from serve_app.openai_api import RequestError
 from tests.fakes.clock import FakeClock
 
 LEVEL = {"trigger": {"queue_length": 4}}
-SLO_POLICY = {"level1": LEVEL, "slo": {"e2e_p99_ms": 2000},
+# Three distinct shares, so that each class's cap shows (the default is 1.0 / 0.9 / 0.9).
+SPREAD = {"critical": 1.0, "standard": 0.8, "sheddable": 0.6}
+SLO_POLICY = {"level1": LEVEL, "slo": {"e2e_p99_ms": 2000, "class_share": SPREAD},
               # 10 requests/s, 1.9 s budget: critical cap 19, standard 15, sheddable 11; without the
               # ramp, which with nothing served yet holds the classes below critical to 4 while
               # critical work arrives (its own tests below)
@@ -78,7 +80,7 @@ def test_saturated_is_503_and_retry_after_grows_with_the_backlog() -> None:
 
 
 def test_header_lowers_never_raises_and_a_bad_value_is_a_400_naming_it() -> None:
-    g = gate({**SLO_POLICY, "slo": {"e2e_p99_ms": 2000, "default_class": "sheddable"}})
+    g = gate({**SLO_POLICY, "slo": {"e2e_p99_ms": 2000, "default_class": "sheddable", "class_share": SPREAD}})
     assert g.admit("critical").criticality is Criticality.SHEDDABLE
     with pytest.raises(RequestError) as err:
         g.admit("urgent")
@@ -152,7 +154,7 @@ def test_the_requests_ahead_measure_only_a_queue_the_door_did_not_bound() -> Non
 def test_reload_keeps_the_gate_and_can_turn_admission_off() -> None:
     g = gate()
     ctl = g.controller
-    g.configure(parse_policy({**SLO_POLICY, "slo": {"e2e_p99_ms": 4000}}))
+    g.configure(parse_policy({**SLO_POLICY, "slo": {"e2e_p99_ms": 4000, "class_share": SPREAD}}))
     assert g.controller is ctl and ctl.max_admitted(Criticality.CRITICAL) == 39
     g.configure(parse_policy({**SLO_POLICY, "admission": {"enabled": False}}))
     # switched off: everything is admitted, but the controller stays warm (same rate, signals)
@@ -493,7 +495,7 @@ def test_a_reloaded_policy_whose_caps_have_room_lets_the_line_in_without_waiting
         waits = [asyncio.ensure_future(g.admit_waiting(None, base=Criticality.CRITICAL)) for _ in range(2)]
         await asyncio.sleep(0)
         assert g.state()["queued"] == 2
-        g.configure(parse_policy({**SLO_POLICY, "slo": {"e2e_p99_ms": 2100}}))  # 2.0 s budget: cap 20
+        g.configure(parse_policy({**SLO_POLICY, "slo": {"e2e_p99_ms": 2100, "class_share": SPREAD}}))  # 2.0 s budget: cap 20
         first = await asyncio.wait_for(waits[0], 5)
         assert first.criticality is Criticality.CRITICAL and first.deadline_at == pytest.approx(1000.0 + 2.1)
         await asyncio.sleep(0)

@@ -895,3 +895,26 @@ def test_a_neighbour_runs_its_processes_for_its_phase_and_reports_what_came_afte
     doc = n.report(records, 2000.0)
     assert doc["after"]["requests"] == 3 and doc["after"]["good"] == 1  # sent from 0.3 s: one served within 2 s
     assert doc["after_by_class"]["critical"]["good_ratio"] == 1.0 and doc["after_by_class"]["standard"]["good"] == 0
+
+
+def test_raw_records_are_written_against_a_running_server_too(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """``--raw`` with ``--url``: every request record of the run as JSON lines, as in the
+    comparison (it was written only there)."""
+    from bench import overload
+
+    records = [rec(0, 0.0, 1.0), rec(1, 0.5, 1.1, status=429, crit="sheddable")]
+    monkeypatch.setattr(overload, "wait_healthy", lambda *a, **kw: None)
+    monkeypatch.setattr(overload.httpx, "get", lambda *a, **kw: httpx.Response(404))
+    monkeypatch.setattr(overload, "run_profile",
+                        lambda *a, **kw: RunResult(constant(1.0, 1.0), records, [{"t_s": 0.5, "level": 0}], 0.0, 1))
+    monkeypatch.setattr(overload, "wait_idle", lambda base, brownout: None)
+    monkeypatch.setattr(overload.rep, "plot_runs", lambda *a, **kw: None)
+    raw = tmp_path / "raw.jsonl"
+    assert overload.main(["--url", "http://127.0.0.1:9", "--profile", "fixed", "--rate", "1", "--run-s", "1",
+                          "--out-dir", str(tmp_path), "--name", "x", "--raw", str(raw), "--no-progress"]) == 0
+    (line,) = raw.read_text().splitlines()
+    doc = json.loads(line)
+    assert doc["name"] == "fixed" and doc["levels"] == [{"t_s": 0.5, "level": 0}]
+    assert [r["status"] for r in doc["records"]] == [200, 429]
+    assert json.loads((tmp_path / "x.json").read_text())["runs"][0]["overall"]["requests"] == 2

@@ -158,7 +158,7 @@ def test_sections_are_optional_with_documented_defaults() -> None:
     assert (fd.window_s, fd.dwell_factor, fd.max_dwell_factor, fd.reset_after_s) == (120, 2, 8, 600)
     slo = parse_policy({"slo": {"e2e_p99_ms": 1500}}).slo
     assert slo is not None and slo.default_class == "standard" and slo.ttft_p99_ms is None
-    assert (slo.class_share.critical, slo.class_share.standard, slo.class_share.sheddable) == (1.0, 0.8, 0.6)
+    assert (slo.class_share.critical, slo.class_share.standard, slo.class_share.sheddable) == (1.0, 0.9, 0.9)
 
 
 @pytest.mark.parametrize(
