@@ -53,3 +53,28 @@ def test_a_door_told_the_engine_slowdown_admits_less_of_what_would_be_late_in_a_
     assert told["during_slow"]["late"] < blind["during_slow"]["late"]
     assert told["after_slow"]["on_time"] >= blind["after_slow"]["on_time"]
     assert "speed 1 s late" in door_sim.Setting(speed_lag_s=1.0).label
+
+
+@pytest.mark.parametrize("mix", ["0,1", "a,b,c", "0,0,0", "-1,1,1"])
+def test_a_bad_mix_is_refused_with_the_flag_named(mix: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        door_sim.main([f"--mix={mix}", "--seeds", "1"])
+    assert f"--mix: need three shares critical,standard,sheddable, >= 0 and not all 0, got {mix!r}" \
+        in capsys.readouterr().err
+
+
+def test_one_class_alone_and_the_pair_counted_per_seed() -> None:
+    only = run(mix=(0.0, 1.0, 0.0))
+    assert only["counts"]["standard"]["offered"] > 0
+    assert only["counts"]["critical"]["offered"] == only["counts"]["sheddable"]["offered"] == 0
+    calm = door_sim.simulate(door_sim.Setting(), rate=0.5, seed=1, seconds=20.0, calm_s=5.0, mix=(0.0, 1.0, 0.0))
+    summary = door_sim.summarize([calm, only])  # 0.5 req/s: all within; 12 req/s: most refused
+    assert calm["counts"]["standard"]["on_time"] == calm["counts"]["standard"]["offered"]
+    assert summary["pair_seeds"] == "1 of 2"
+
+
+def test_the_shares_default_to_the_policy_defaults() -> None:
+    from policies.config import ClassShares
+
+    shares = ClassShares()
+    assert door_sim.Setting().shares == (shares.critical, shares.standard, shares.sheddable)
