@@ -16,9 +16,9 @@ in two ways; the rule here prevents both:
    has reached its cap: a replica set that refuses is saturated, and the demand it sees is what
    it serves over the share it admits. So the desired count is the larger of the queue-based
    figure (``ongoing / target_ongoing_requests``) and ``running / (1 - refused_ratio)`` once
-   ``refused_ratio`` (the policy actor's, `policies.admission.RefusalWindow`) reaches
-   ``SCALE_UP_REFUSED`` (5%: a lone refusal, which reads 5% of a 20-decision floor, is not a
-   reason; a few percent of a busy window is). It counts at most ``MAX_REFUSED`` (90%) of the
+   ``refused_ratio`` (the policy actor's, `policies.admission.RefusalWindow`) is above
+   ``SCALE_UP_REFUSED`` (5%: a lone refusal, which reads exactly 5% of a 20-decision floor, is
+   not a reason; two of them are, and so is more than 5% of a busy window). It counts at most ``MAX_REFUSED`` (90%) of the
    window as refused: a burst of refusals asks for at most ten times the replicas, and Serve's
    ``upscaling_factor`` and ``max_replicas`` bound the step.
 2. **Degradation lowers the load the autoscaler sees.** At level 1 and above optional work is
@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCALE_UP_REFUSED = 0.05  # refused_ratio from which refusals count as unserved demand
+SCALE_UP_REFUSED = 0.05  # refused_ratio above which refusals count as unserved demand (a lone refusal: 0.05)
 MAX_REFUSED = 0.9  # refused_ratio counted at most this high: demand at most 10x what is served
 
 
@@ -73,7 +73,7 @@ def desired_replicas(
     if policy is None:
         return max(desired, float(running))  # cannot tell that the policy has recovered
     refused = min(max(policy.refused_ratio, 0.0), MAX_REFUSED)
-    if refused >= SCALE_UP_REFUSED:
+    if refused > SCALE_UP_REFUSED:
         desired = max(desired, running / (1.0 - refused))
     if policy.level > 0 or refused > 0.0:
         desired = max(desired, float(running))

@@ -170,7 +170,7 @@ class LevelConfig(_Strict):
         default=0.0, description="how long the trigger must hold before escalating; 0 = at once"
     )
     recover_dwell_s: NonNegSeconds = Field(
-        default=60.0,
+        default=60.0,  # the reference design's; the shipped policy and the levels an slo adds: 30 s
         description="how long every signal must stay below recover, unbroken, to step down",
     )
     cooldown_s: NonNegSeconds = Field(
@@ -224,9 +224,10 @@ class FeatureConfig(_Strict):
 class FlapDampingConfig(_Strict):
     """Growing recovery dwell after a recovery that did not last (see `policies.controller`).
 
-    Defaults: a re-escalation within 120 s (four default dwells) of a step down counts as a flap;
-    each flap doubles the next dwell, up to 8x (30 s -> 240 s); ten minutes without any
-    escalation resets it. ``dwell_factor: 1`` turns damping off.
+    Defaults: a re-escalation within 120 s (four of the shipped policy's 30 s dwells) of a step
+    down counts as a flap; each flap doubles the next dwell, up to 8x (30 s -> 240 s; a level
+    that sets no ``recover_dwell_s`` has `LevelConfig`'s 60 s, the reference design's, and up to
+    480 s); ten minutes without any escalation resets it. ``dwell_factor: 1`` turns damping off.
     """
 
     window_s: NonNegSeconds = Field(

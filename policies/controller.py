@@ -20,9 +20,10 @@ The rule, and why:
   recovery dwell becomes ``recover_dwell_s * min(dwell_factor ** flaps, max_dwell_factor)``
   (defaults: doubling, up to 8x). ``reset_after_s`` with no escalation at all forgets the flaps.
   Damping only ever delays a step down: the level is never below what the undamped rule gives,
-  and escalation is untouched. The defaults: a 120 s window catches bursts up to four default
-  dwells apart; 8x caps the longest dwell at 4 minutes, so one real recovery is not held off for
-  long; ten calm minutes mean the bursts are over.
+  and escalation is untouched. The defaults: a 120 s window catches bursts up to four of the
+  shipped policy's 30 s dwells apart (two of the 60 s that a level setting none gets); 8x caps
+  the longest dwell at 4 minutes there, so one real recovery is not held off for long; ten calm
+  minutes mean the bursts are over.
 - **Fail static.** A stale signal of level L blocks recovery from L (and restarts the dwell);
   escalation still acts on the fresh values.
 - **Operators win.** A level pin sets the effective level until it expires or is cleared. The

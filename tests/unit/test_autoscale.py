@@ -32,7 +32,9 @@ CALM = PolicyLoad(level=0, refused_ratio=0.0)
         (1, 3, 16, PolicyLoad(2, 0.5), 2.0, "admission hides the queue; half refused: double"),
         (2, 3, 16, PolicyLoad(3, 0.75), 8.0, "three quarters refused: four times"),
         (1, 3, 16, PolicyLoad(3, 0.99), 1 / (1 - MAX_REFUSED), "at most ten times"),
-        (1, 3, 16, PolicyLoad(0, SCALE_UP_REFUSED / 2), 1.0, "a lone refusal is no reason to scale up"),
+        (1, 3, 16, PolicyLoad(0, SCALE_UP_REFUSED / 2), 1.0, "a few refusals in a busy window: no reason"),
+        (1, 3, 16, PolicyLoad(0, 0.05), 1.0, "a lone refusal (1 of the 20-decision floor) is no reason to scale up"),
+        (1, 3, 16, PolicyLoad(2, 0.1), 1 / 0.9, "two refusals in a quiet window are"),
         (1, 40, 16, PolicyLoad(1, 0.5), 2.5, "the larger of the two"),
         (1, 8, 16, None, 1.0, "policy unreadable: fail static, no scale-down"),
         (3, 80, 16, None, 5.0, "policy unreadable: the queue may still scale up"),
@@ -263,3 +265,20 @@ def test_policy_core_load_is_the_level_and_the_refused_share_of_the_last_tick() 
     assert core.load() == PolicyLoad(0, 0.0)  # read at the tick, as the level is
     core.tick()
     assert core.load() == PolicyLoad(3, 0.2)  # a fifth refused raises level 3 in one step
+
+
+def test_a_lone_refusal_in_the_window_asks_for_no_replica() -> None:
+    """What the door's window reads for one refusal among a few decisions, through the rule: no
+    scale-up (the docstring's promise, checked on the real window, not on a chosen number)."""
+    from policies.admission import RefusalWindow
+
+    window = RefusalWindow(5.0)
+    for i in range(4):
+        window.add(1.0 + 0.1 * i, refused=False)
+    window.add(1.5, refused=True)
+    lone = window.ratio(1.6)
+    assert lone == pytest.approx(1 / RefusalWindow.MIN_DECISIONS)
+    assert desired_replicas(1, 3, 16, PolicyLoad(2, lone)) == 1.0
+    window.add(1.7, refused=True)
+    assert desired_replicas(1, 3, 16, PolicyLoad(2, window.ratio(1.8))) == pytest.approx(1 / 0.9)
+

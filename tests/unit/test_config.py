@@ -312,6 +312,17 @@ def test_explicit_thresholds_win_and_the_reference_json_is_untouched() -> None:
     assert derive_policy(ref, 16) == ref == parse_policy(REFERENCE)
 
 
+def test_the_reference_json_is_refused_for_the_shipped_engine_naming_its_unreachable_trigger() -> None:
+    """README: read unchanged, but not deployable on a batch of 16 (what `serve_app.app` and a
+    `serve deploy` check with `fit_policy`)."""
+    from policies.slo import fit_policy
+
+    ref = load_policy(ROOT / "configs" / "reference.json")
+    with pytest.raises(PolicyError, match=r"level1\.trigger\.queue_length: 20 can never fire: at most 16"):
+        fit_policy(ref, 16)
+    assert fit_policy(ref, 128) == ref  # a larger batch fits it
+
+
 def test_deriving_twice_changes_nothing() -> None:
     from policies.slo import derive_policy
 
