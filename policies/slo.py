@@ -27,9 +27,11 @@ The rule, and why:
   a request arriving now would see, on the SLO's scale: it reaches ``e2e_p99_ms`` when that
   request would finish exactly at the SLO, so a fraction of the SLO here is the same fraction of
   the room that the unloaded latency leaves for queueing, on a fast model and a slow one alike.
-  Where one request alone takes little of the SLO (2 s SLO, 0.3 s alone), sheddable work is
-  refused at about half of the room and standard at about 70%: level 1 comes before any
-  refusal, level 2 with the first sheddable ones, level 3 before standard work is refused. Where
+  Where one request alone takes little of the SLO (2 s SLO, 0.3 s alone), standard and
+  sheddable work reach their default shares (0.9 of the budget) at about 88% of the room, so
+  all three levels come before a share refuses anything; the room kept for critical work
+  (`policies.admission`) refuses the classes below it earlier while critical work arrives,
+  and such refusals raise the level at once (``refused_ratio``, below). Where
   one request alone takes much of it (4 s SLO, 1.5 s alone on 2 CPU cores, each request in
   flight adding about 0.8 s), the room holds three requests: one in flight on average stays
   at level 0, two raise level 2 and three level 3, which is what such a machine needs. The
