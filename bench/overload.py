@@ -699,7 +699,7 @@ class Bench:
             extra["schedule"] = schedule
         noise = NOISE.mean(t0, time.monotonic())
         doc = rep.run_report(name, result, self.plan.slo.slo_ms, system=system, other_cpu_cores=noise, **extra)
-        if system == "brownout-adaptive":
+        if system == "brownout-adaptive" or (system == "url" and brownout):  # a running Brownout's too
             doc["transitions"] = transitions_since(base, wall0, result.started_at)
         o = doc["overall"]
         log(f"  {name}: offered {o['offered_rps']} goodput {o['goodput_rps']} req/s, p99 {o['e2e_ms']['p99']} ms, "

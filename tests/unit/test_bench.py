@@ -918,3 +918,34 @@ def test_raw_records_are_written_against_a_running_server_too(
     assert doc["name"] == "fixed" and doc["levels"] == [{"t_s": 0.5, "level": 0}]
     assert [r["status"] for r in doc["records"]] == [200, 429]
     assert json.loads((tmp_path / "x.json").read_text())["runs"][0]["overall"]["requests"] == 2
+
+
+def test_a_run_against_a_running_brownout_records_the_policy_transitions(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """With ``--url`` at a Brownout (its admin API answers), the run keeps the level changes and
+    the signal that caused each, as the comparison's adaptive runs do; at another server, none."""
+    from bench import overload
+
+    seen: list[tuple[str, float, float]] = []
+
+    def history(base: str, wall0: float, origin: float) -> list[dict[str, Any]]:
+        seen.append((base, wall0, origin))
+        return [{"t_s": 1.5, "from": 0, "to": 2, "kind": "trigger", "signal": "refused_ratio"}]
+
+    records = [rec(0, 0.0, 1.0)]
+    monkeypatch.setattr(overload, "wait_healthy", lambda *a, **kw: None)
+    monkeypatch.setattr(overload, "run_profile",
+                        lambda *a, **kw: RunResult(constant(1.0, 1.0), records, [{"t_s": 0.5, "level": 0}], 0.0, 1))
+    monkeypatch.setattr(overload, "wait_idle", lambda base, brownout: None)
+    monkeypatch.setattr(overload, "transitions_since", history)
+    monkeypatch.setattr(overload.rep, "plot_runs", lambda *a, **kw: None)
+    args = ["--url", "http://127.0.0.1:9", "--profile", "fixed", "--rate", "1", "--run-s", "1",
+            "--out-dir", str(tmp_path), "--no-progress"]
+    for status, expected in ((200, [{"t_s": 1.5, "from": 0, "to": 2, "kind": "trigger", "signal": "refused_ratio"}]),
+                             (404, None)):
+        monkeypatch.setattr(overload.httpx, "get", lambda *a, status=status, **kw: httpx.Response(status))
+        assert overload.main([*args, "--name", f"s{status}"]) == 0
+        run_doc = json.loads((tmp_path / f"s{status}.json").read_text())["runs"][0]
+        assert run_doc.get("transitions") == expected
+    assert [base for base, _, _ in seen] == ["http://127.0.0.1:9"]
+
