@@ -121,15 +121,20 @@ def test_pinned_level_bypasses_exactly_its_deployments(deployed: Cluster, http: 
         wait_spools_drained(http)  # records deferred by earlier tests would add their own calls
     before = settle_counters(http)
     rpcs_before = handle_calls(http)
-    # no user: personalization and A/B are still called, and the answers may be cached
-    responses = [chat(http, user=None) for _ in range(3)]
+    # no user: personalization and A/B are still called, and the answers may be cached; at least
+    # one token each (the random-weight model may end a reply at once)
+    responses = [chat(http, user=None, min_tokens=1) for _ in range(3)]
     after = settle_counters(http)
     per_request = (handle_calls(http) - rpcs_before) / 3
     # one handle call per deployment per request phase, none for what runs in the ingress
     assert per_request == {0: 6, 1: 5, 2: 3, 3: 1}[level], per_request
     for r in responses:
         assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["message"]["content"]
+        # an answer: tokens generated. Its text may be empty: seen once in CI at level 2 (the
+        # model wrote only special tokens or whitespace, which detokenizing and response_polish,
+        # on below level 3, drop; the reply's text was not kept, so which is not known)
+        assert isinstance(r.json()["choices"][0]["message"]["content"], str), r.text
+        assert r.json()["usage"]["completion_tokens"] >= 1, r.text
         assert r.headers["X-Brownout-Level"] == str(level)
         bypassed = set(filter(None, r.headers["X-Brownout-Bypassed"].split(",")))
         deferred = set(filter(None, r.headers.get("X-Brownout-Deferred", "").split(",")))
