@@ -220,6 +220,7 @@ def summarize(runs: list[dict]) -> dict:
         "during_slow_late": round(sum(r["during_slow"]["late"] for r in runs)
                                   / max(1, sum(r["during_slow"]["offered"] for r in runs)), 4),
     }
+
     def pair(r: dict) -> bool:  # issue 10's 1.5 x item in one run: >= 95% within, p99 of the served within
         c = r["counts"].values()
         offered_, on_time_, late_ = (sum(x[k] for x in c) for k in ("offered", "on_time", "late"))
@@ -285,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     default_ramp = Setting().ramp_step
     settings = [Setting(shares=tuple(float(x) for x in s.split(",")), reserve_quantile=q,  # type: ignore[arg-type]
                         ramp_step=g, speed_lag_s=None if lag < 0 else lag)
-                for s in (args.shares or [",".join(map(str, DEFAULT_SHARES))]) for q in (args.reserve_quantile or [0.99])
+                for s in (args.shares or [",".join(map(str, DEFAULT_SHARES))])
+                for q in (args.reserve_quantile or [0.99])
                 for g in (args.ramp_step or [default_ramp]) for lag in (args.speed_lag or [-1.0])]
     for s in settings:
         if len(s.shares) != 3:

@@ -18,9 +18,9 @@ in two ways; the rule here prevents both:
    figure (``ongoing / target_ongoing_requests``) and ``running / (1 - refused_ratio)`` once
    ``refused_ratio`` (the policy actor's, `policies.admission.RefusalWindow`) is above
    ``SCALE_UP_REFUSED`` (5%: a lone refusal, which reads exactly 5% of a 20-decision floor, is
-   not a reason; two of them are, and so is more than 5% of a busy window). It counts at most ``MAX_REFUSED`` (90%) of the
-   window as refused: a burst of refusals asks for at most ten times the replicas, and Serve's
-   ``upscaling_factor`` and ``max_replicas`` bound the step.
+   not a reason; two of them are, and so is more than 5% of a busy window). It counts at most
+   ``MAX_REFUSED`` (90%) of the window as refused: a burst of refusals asks for at most ten
+   times the replicas, and Serve's ``upscaling_factor`` and ``max_replicas`` bound the step.
 2. **Degradation lowers the load the autoscaler sees.** At level 1 and above optional work is
    off and requests may be refused, so the measured load under-states demand; scaling down then
    would remove capacity that recovery (features back on, refusals ended) needs at once, the
