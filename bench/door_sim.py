@@ -45,7 +45,7 @@ Usage::
     .venv/bin/python bench/door_sim.py --rate 2.3 --shape knee --noise 0.2 --calm-s 60 --seeds 48 \\
         --seconds 120 --slow 10,40,3 --shares 1,0.9,0.9
     .venv/bin/python bench/door_sim.py --rate 2.4 --rate 3.2 --rate 4 --shape knee --noise 0.2 --calm-s 60 \\
-        --seeds 32 --seconds 225 --mix 0,1,0 --shares 1,0.9,0.9 --shares 1,1,1
+        --seeds 32 --seconds 225 --mix 0/100/0 --shares 1,0.9,0.9 --shares 1,1,1
 
 The report pools the seeds; ``pair_seeds`` counts the seeds (runs) in which both halves of issue
 10's 1.5 x C0 item held: at least 95% of the requests within the SLO, and at most 1% of the
@@ -66,6 +66,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.loadgen import parse_mix  # noqa: E402
 from policies.admission import AdmissionController, Criticality, ShareClock  # noqa: E402
 from policies.config import AdmissionConfig, ClassShares, SloConfig  # noqa: E402
 
@@ -90,8 +91,8 @@ def engine_latency(n: float, shape: str = "concave") -> float:
     return within * max(1.0, n / BATCH)
 
 
-DEFAULT_SHARES: tuple[float, float, float] = (
-    ClassShares().critical, ClassShares().standard, ClassShares().sheddable)  # the policy's defaults
+DEFAULT_SHARES: tuple[float, float, float] = tuple(  # type: ignore[assignment]
+    getattr(ClassShares(), c.value) for c in CLASSES)  # the policy's defaults
 
 
 @dataclass(frozen=True)
@@ -277,8 +278,9 @@ def main(argv: list[str] | None = None) -> int:
                     "a negative S: not told, the default)")
     ap.add_argument("--seconds", type=float, default=60.0, help="seconds of load")
     ap.add_argument("--seeds", type=int, default=8)
-    ap.add_argument("--mix", default="0.2,0.5,0.3", metavar="C,S,D",
-                    help="critical,standard,sheddable shares of the arrivals (default 0.2,0.5,0.3)")
+    ap.add_argument("--mix", default="20/50/30", metavar="C/S/D",
+                    help="critical/standard/sheddable weights of the arrivals, as overload.py's --mix "
+                         "(default 20/50/30)")
     ap.add_argument("--noise", type=float, default=0.1)
     ap.add_argument("--drift", type=float, default=0.03)
     ap.add_argument("--json", type=Path, help="write the results here")
@@ -293,11 +295,9 @@ def main(argv: list[str] | None = None) -> int:
         if len(s.shares) != 3:
             ap.error(f"--shares: need three values critical,standard,sheddable, got {s.shares}")
     try:
-        mix = tuple(float(x) for x in args.mix.split(","))
+        mix = tuple(w for _, w in parse_mix(args.mix))
     except ValueError:
-        mix = ()
-    if len(mix) != 3 or min(mix) < 0 or sum(mix) <= 0:
-        ap.error(f"--mix: need three shares critical,standard,sheddable, >= 0 and not all 0, got {args.mix!r}")
+        ap.error(f"--mix: need three weights critical/standard/sheddable, >= 0 and not all 0, got {args.mix!r}")
     scenarios = (PRESETS[args.preset] if args.preset else
                  [(f"{rate:g} req/s", rate, args.scale, None) for rate in (args.rate or [12.93])])
     slow = None

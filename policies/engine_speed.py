@@ -37,8 +37,9 @@ The rule, and why:
   slowdown, and that step's own ratio, are within ``hold_ratio`` (2) of 1 either way. A
   machine a fifth slower for an hour is absorbed within a few hundred steps (the admission
   model then learns it from completions), while during a starvation the reference keeps the
-  engine's normal speed, and the slowdown falls back to 1 the moment the starvation ends. A key first seen during a slowdown starts from its
-  step divided by the slowdown in force, so it agrees with the other keys.
+  engine's normal speed, and the slowdown falls back to 1 the moment the starvation ends. A
+  key first seen during a slowdown starts from its step divided by the slowdown in force, so it
+  agrees with the other keys.
 - **No step at all while the engine has work** is a stall, and reads as at least the time since
   its last step over `STALL_MARGIN` (10) times the longest step it usually takes (the largest
   reference of any kind of step, prefills beside decodes included), counted from its last

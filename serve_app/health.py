@@ -5,8 +5,9 @@ new vLLM replica takes tens of seconds to start. Requests sent in that time woul
 router for a replica that is not there yet; the client should rather hear at once that the model
 is unavailable, with a ``Retry-After``. So the ingress keeps this small state, fed by what it sees:
 
-* a probe (`Ingress._probe_model`, every ``pipeline.model_probe_s``) asks a model replica for its engine's
-  health, with a time-out: healthy -> up; engine dead, replica gone, no answer in time -> down;
+* a probe (`Ingress._probe_model`, every ``pipeline.model_probe_s``) asks a model replica for
+  its engine's health, with a time-out: healthy -> up; engine dead, replica gone, no answer in
+  time -> down;
 * a request whose model call failed for the model's own reason (engine dead, replica died) ->
   down; one the model served -> up.
 

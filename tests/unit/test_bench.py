@@ -897,22 +897,30 @@ def test_a_neighbour_runs_its_processes_for_its_phase_and_reports_what_came_afte
     assert doc["after_by_class"]["critical"]["good_ratio"] == 1.0 and doc["after_by_class"]["standard"]["good"] == 0
 
 
-def test_raw_records_are_written_against_a_running_server_too(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
-    """``--raw`` with ``--url``: every request record of the run as JSON lines, as in the
-    comparison (it was written only there)."""
+SINGLE = ["--url", "http://127.0.0.1:9", "--profile", "fixed", "--rate", "1", "--run-s", "1", "--no-progress"]
+
+
+def offline_single(monkeypatch: pytest.MonkeyPatch, records: list[Any], admin_status: int) -> Any:
+    """`overload.main` with ``--url`` and nothing on the network: the run's records given, the
+    admin API answering ``admin_status`` (200: a Brownout), no figure drawn."""
     from bench import overload
 
-    records = [rec(0, 0.0, 1.0), rec(1, 0.5, 1.1, status=429, crit="sheddable")]
     monkeypatch.setattr(overload, "wait_healthy", lambda *a, **kw: None)
-    monkeypatch.setattr(overload.httpx, "get", lambda *a, **kw: httpx.Response(404))
+    monkeypatch.setattr(overload.httpx, "get", lambda *a, **kw: httpx.Response(admin_status))
     monkeypatch.setattr(overload, "run_profile",
                         lambda *a, **kw: RunResult(constant(1.0, 1.0), records, [{"t_s": 0.5, "level": 0}], 0.0, 1))
     monkeypatch.setattr(overload, "wait_idle", lambda base, brownout: None)
     monkeypatch.setattr(overload.rep, "plot_runs", lambda *a, **kw: None)
+    return overload
+
+
+def test_raw_records_are_written_against_a_running_server_too(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """``--raw`` with ``--url``: every request record of the run as JSON lines, as in the
+    comparison (it was written only there)."""
+    overload = offline_single(monkeypatch, [rec(0, 0.0, 1.0), rec(1, 0.5, 1.1, status=429, crit="sheddable")], 404)
     raw = tmp_path / "raw.jsonl"
-    assert overload.main(["--url", "http://127.0.0.1:9", "--profile", "fixed", "--rate", "1", "--run-s", "1",
-                          "--out-dir", str(tmp_path), "--name", "x", "--raw", str(raw), "--no-progress"]) == 0
+    assert overload.main([*SINGLE, "--out-dir", str(tmp_path), "--name", "x", "--raw", str(raw)]) == 0
     (line,) = raw.read_text().splitlines()
     doc = json.loads(line)
     assert doc["name"] == "fixed" and doc["levels"] == [{"t_s": 0.5, "level": 0}]
@@ -924,27 +932,17 @@ def test_a_run_against_a_running_brownout_records_the_policy_transitions(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     """With ``--url`` at a Brownout (its admin API answers), the run keeps the level changes and
     the signal that caused each, as the comparison's adaptive runs do; at another server, none."""
-    from bench import overload
-
     seen: list[tuple[str, float, float]] = []
 
     def history(base: str, wall0: float, origin: float) -> list[dict[str, Any]]:
         seen.append((base, wall0, origin))
         return [{"t_s": 1.5, "from": 0, "to": 2, "kind": "trigger", "signal": "refused_ratio"}]
 
-    records = [rec(0, 0.0, 1.0)]
-    monkeypatch.setattr(overload, "wait_healthy", lambda *a, **kw: None)
-    monkeypatch.setattr(overload, "run_profile",
-                        lambda *a, **kw: RunResult(constant(1.0, 1.0), records, [{"t_s": 0.5, "level": 0}], 0.0, 1))
-    monkeypatch.setattr(overload, "wait_idle", lambda base, brownout: None)
-    monkeypatch.setattr(overload, "transitions_since", history)
-    monkeypatch.setattr(overload.rep, "plot_runs", lambda *a, **kw: None)
-    args = ["--url", "http://127.0.0.1:9", "--profile", "fixed", "--rate", "1", "--run-s", "1",
-            "--out-dir", str(tmp_path), "--no-progress"]
     for status, expected in ((200, [{"t_s": 1.5, "from": 0, "to": 2, "kind": "trigger", "signal": "refused_ratio"}]),
                              (404, None)):
-        monkeypatch.setattr(overload.httpx, "get", lambda *a, status=status, **kw: httpx.Response(status))
-        assert overload.main([*args, "--name", f"s{status}"]) == 0
+        overload = offline_single(monkeypatch, [rec(0, 0.0, 1.0)], status)
+        monkeypatch.setattr(overload, "transitions_since", history)
+        assert overload.main([*SINGLE, "--out-dir", str(tmp_path), "--name", f"s{status}"]) == 0
         run_doc = json.loads((tmp_path / f"s{status}.json").read_text())["runs"][0]
         assert run_doc.get("transitions") == expected
     assert [base for base, _, _ in seen] == ["http://127.0.0.1:9"]

@@ -55,11 +55,11 @@ def test_a_door_told_the_engine_slowdown_admits_less_of_what_would_be_late_in_a_
     assert "speed 1 s late" in door_sim.Setting(speed_lag_s=1.0).label
 
 
-@pytest.mark.parametrize("mix", ["0,1", "a,b,c", "0,0,0", "-1,1,1"])
+@pytest.mark.parametrize("mix", ["0/1", "a/b/c", "0/0/0", "-1/1/1", "0,1,0"])
 def test_a_bad_mix_is_refused_with_the_flag_named(mix: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         door_sim.main([f"--mix={mix}", "--seeds", "1"])
-    assert f"--mix: need three shares critical,standard,sheddable, >= 0 and not all 0, got {mix!r}" \
+    assert f"--mix: need three weights critical/standard/sheddable, >= 0 and not all 0, got {mix!r}" \
         in capsys.readouterr().err
 
 
