@@ -20,6 +20,15 @@ def test_the_same_seed_gives_the_same_run_and_every_request_is_accounted_for() -
     assert sum(c["refused"] for c in a["counts"].values()) > 0  # 12 req/s is past what it serves
 
 
+def test_every_setting_of_a_seed_is_offered_the_same_requests() -> None:
+    # common random numbers: each request's work is drawn when it arrives, so what one setting
+    # admits or refuses changes no later draw, and settings compare on the same traffic
+    narrow, wide = run(door_sim.Setting(shares=(1.0, 0.6, 0.4))), run(door_sim.Setting(shares=(1.0, 1.0, 1.0)))
+    assert narrow["counts"] != wide["counts"]  # they decided differently ...
+    for klass in ("critical", "standard", "sheddable"):  # ... on the same arrivals
+        assert narrow["counts"][klass]["offered"] == wide["counts"][klass]["offered"]
+
+
 def test_a_larger_share_for_the_lower_classes_sheds_less_of_them() -> None:
     narrow = door_sim.summarize([run(door_sim.Setting(shares=(1.0, 0.6, 0.4)))])
     wide = door_sim.summarize([run(door_sim.Setting(shares=(1.0, 1.0, 1.0)))])
