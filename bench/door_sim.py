@@ -243,6 +243,9 @@ def summarize(runs: list[dict]) -> dict:
         "late_share": round(sum(p["late"] for p in pooled.values()) / max(1, offered), 4),
         "pair_seeds": f"{sum(pair(r) for r in runs)} of {len(runs)}",
         "shed": {c: round(p["refused"] / max(1, p["offered"]), 3) for c, p in pooled.items()},
+        "refused": sum(p["refused"] for p in pooled.values()),
+        # runs in which the door refused anything: on the service one refusal raises the level
+        "refusal_seeds": f"{sum(any(c['refused'] for c in r['counts'].values()) for r in runs)} of {len(runs)}",
         "in_flight_median": statistics.median(r["in_flight_median"] for r in runs),
         **slowed,
     }
@@ -330,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"critical {row['critical_within_slo']:.3f} ({row['critical_refused']} refused, "
                   f"{row['critical_late']} late of {row['critical_offered']})  late {row['late_share']:.3f}  "
                   f"pair {row['pair_seeds']}  "
-                  f"shed {row['shed']}  in flight {row['in_flight_median']:g}"
+                  f"shed {row['shed']}  refused {row['refused']} (in {row['refusal_seeds']} seeds)  "
+                  f"in flight {row['in_flight_median']:g}"
                   + (f"  after the slow phase {row['after_slow_within']:.3f}, during it refused "
                      f"{row['during_slow_refused']:.3f} late {row['during_slow_late']:.3f}" if slow else ""))
     if args.json:

@@ -80,6 +80,8 @@ def test_one_class_alone_and_the_pair_counted_per_seed() -> None:
     summary = door_sim.summarize([calm, only])  # 0.5 req/s: all within; 12 req/s: most refused
     assert calm["counts"]["standard"]["on_time"] == calm["counts"]["standard"]["offered"]
     assert summary["pair_seeds"] == "1 of 2"
+    assert summary["refusal_seeds"] == "1 of 2"  # the calm run refused nothing
+    assert summary["refused"] == sum(c["refused"] for r in (calm, only) for c in r["counts"].values()) > 0
 
 
 def test_the_shares_default_to_the_policy_defaults() -> None:
