@@ -35,9 +35,9 @@ settings at once:
 Settings compare on common random numbers: a seed fixes the arrivals, their classes, each
 request's work (drawn when it arrives, admitted or not) and the drift, so one setting's decisions
 change none of the traffic the others see, and a difference between settings is theirs, not the
-draw's. (Before, a request's work was drawn when it was admitted, so the first different
-decision shifted every later draw: the same 96 seeds offered 13,320 critical requests under one
-setting and 13,514 under another.)
+draw's. (Before 12-05 evening, a request's work was drawn when it was admitted, so the first
+different decision shifted every later draw, and two settings of one seed were offered different
+traffic: results stored before then compare settings on different draws.)
 
 It is a model, not a measurement: it says how settings rank against each other under the same
 noise, and what they trade, not what the machine will serve.
