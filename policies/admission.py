@@ -31,9 +31,8 @@ The rule, and why:
   it round to the same cap, and a class below fills every slot critical could use. So each class
   is held to a limit below its share's cap, sized with Erlang's loss model of the door
   (`loss_chain`): the classes arrive as Poisson at their measured rates (requests offered per
-  second, admitted or refused, decayed over ``reserve_window_s``, or over a fifth of it less half
-  its noise where that is higher: `ArrivalRate.peak`, so a step up in demand is seen within
-  seconds and a clump of two arrivals is not), each admitted below its
+  second, admitted or refused, decayed over ``reserve_window_s``, or over a fifth of it where
+  that is higher: `ArrivalRate.peak`, so a step up in demand is seen within seconds), each admitted below its
   limit, and ``n`` requests in flight complete at ``n / latency_s(n)`` (the measured model). A
   class's limit is the highest at which it raises the share of refused requests of every class
   above it by at most ``1 - reserve_quantile`` (0.99: one point), over the same model without
@@ -826,19 +825,6 @@ ABSENT_WEIGHT = 0.05
 # requests of the first 5 s were refused.
 FAST_FRACTION = 0.2
 
-# The room kept (`ArrivalRate.peak`) reads the fast estimate less this many standard deviations
-# of its noise (`rate_lower_bound`). On a 2 s time constant the estimate rests on a few arrivals:
-# at 0.5/s, one more request half a second after the last reads 1.1/s, and with the plain
-# estimate such a clump kept room at half the capacity: a sheddable request refused at 0.5 x C0
-# (12-05, AVX2 EPYC, 5 s SLO: four arrivals within five seconds, three in flight, the room kept
-# four of its six slots), which raised the level before the step profile's step. In the door's model (`bench/door_sim.py`, the EPYC's knee engine, 2 s SLO, 96
-# seeds of 225 s, the same draws for each; bench/results/door_sim_reserve_noise.json), with 0,
-# 0.5 and 1 standard deviation: refusals at 0.5 x C0 15 / 8 / 5 (in 11 / 6 / 4 seeds), at 1.5 x
-# C0 322 / 244 / 206 (the 1.5 x item's pair held in 94 / 96 / 96 seeds), and at 3 x C0 critical
-# work late or refused 26 / 31 / 37 of 13,310 (a step up seen later), goodput 2.93 / 2.95 / 2.96
-# req/s. Half of one: half the refusals at low load for 0.04% of critical work at 3 x.
-RESERVE_SIGMAS = 0.5
-
 
 # Critical work is held to the objective's own quantile (the SLO is a p99, and critical requests
 # are to be at least 99% within it), but the latency model predicts a mean. On 2 cores the
@@ -923,8 +909,7 @@ class ArrivalRate:
     """Requests offered per second, exponentially decayed with time constant ``tau_s``:
     ``rate(now) = sum(exp(-(now - t_i) / tau_s)) / tau_s`` over arrivals ``t_i``; and the same
     on ``fast_tau_s = FAST_FRACTION * tau_s`` (`fast_rate`), which sees a step up sooner and is
-    noisier. ``peak`` is the larger of the long one and the fast one less `RESERVE_SIGMAS` of its
-    noise: quick to rise on sustained demand, not on a clump of two, slow to fall. O(1) per arrival."""
+    noisier. ``peak`` is the larger of the two: quick to rise, slow to fall. O(1) per arrival."""
 
     __slots__ = ("tau_s", "_count", "_fast", "_at")
 
@@ -959,7 +944,7 @@ class ArrivalRate:
         return self._fast / self.fast_tau_s
 
     def peak(self, now: float) -> float:
-        return max(self.rate(now), rate_lower_bound(self.fast_rate(now), self.fast_tau_s, RESERVE_SIGMAS))
+        return max(self.rate(now), self.fast_rate(now))
 
     def weight(self, now: float) -> float:
         """The arrivals the long estimate still counts (``rate * tau_s``): each 1 when it came,
