@@ -1093,7 +1093,7 @@ class AdmissionController:
         self.level = 0
         self._models: dict[int, ServiceModel] = {0: self._prior(slo, settings)}
         self._caps: tuple[int, ...] = ()
-        self._hold: tuple[float, tuple[int, ...]] | None = None  # (until, caps): `set_level`
+        self._hold: tuple[float, tuple[ServiceModel, ...]] | None = None  # (until, levels' models): `set_level`
         self._arrivals = tuple(ArrivalRate(settings.reserve_window_s) for _ in Criticality)
         self._refusals = RefusalWindow(settings.refusal_window_s)
         self._in_flight_avg: tuple[float, float | None] = (0.0, None)  # (average, when)
@@ -1219,7 +1219,14 @@ class AdmissionController:
 
         But the ``in_flight`` requests admitted before the change still carry the work of the
         level they were admitted at, so while they run the engine is not yet the new level's:
-        given ``now``, the caps in force stay at most the caps before the change (the hold)
+        given ``now``, the caps in force stay at most the caps of the level before the change
+        (and of any level still held from an earlier change): the hold. They are that level's
+        model read at the engine's speed in force, not the numbers that stood at the change: a
+        speed reading in force then (which can itself raise the level, through
+        ``predicted_wait_ms``) would otherwise outlive itself in them. Measured before this (12-05,
+        2-core AVX2 EPYC, 5 s SLO, the benchmark's oscillating load): a 6.3 x reading raised level
+        3, and the hold kept every cap at 1 for a second after the reading was back at 1, with
+        the requests in flight finishing within the SLO. The hold lasts
         until `end_hold` (the gate calls it when the last of them has left) or one
         ``e2e_p99_ms`` after the change, whichever comes first (none of them can still be on
         time then). Measured (12-03, 2-core AVX2 EPYC, 5 s SLO, the step profile 0.5 x -> 3 x
@@ -1251,7 +1258,11 @@ class AdmissionController:
         level = int(level)
         if level == self.level:
             return False
-        before = self._caps  # the caps in force, with any hold from an earlier change
+        if now is not None:
+            self._expire_hold(now)
+        # the level left, and any still held from an earlier change: their caps bound the new one's
+        held = [m for m in (self._hold[1] if self._hold is not None else ()) if m is not self.model]
+        held.append(self.model)
         stale = False
         if level > self.level and level in self._models:
             reach = self.model.fresh_reach(now)
@@ -1260,7 +1271,8 @@ class AdmissionController:
             self._models[level] = self.model.copy()
             self.models_replaced += stale
         self.level = level
-        self._hold = (now + self.e2e_s, before) if now is not None and in_flight > 0 else None
+        self._hold = ((now + self.e2e_s, tuple(m for m in held if m is not self.model))
+                      if now is not None and in_flight > 0 else None)
         self._recompute()
         return True
 
@@ -1590,7 +1602,10 @@ class AdmissionController:
         predictor = self.predictor
         caps = tuple(predictor.max_within(share * self.budget_s) for share in self._shares)
         if self._hold is not None:  # a level change's requests are still in flight (`set_level`)
-            caps = tuple(min(c, h) for c, h in zip(caps, self._hold[1]))
+            f = self._speed.value
+            for m in self._hold[1]:  # the levels they were admitted at, at the speed in force
+                held = m if f == 1.0 else SlowedModel(m, f)
+                caps = tuple(min(c, held.max_within(share * self.budget_s)) for c, share in zip(caps, self._shares))
         self._caps = caps
         self._tail_factor = self._tail.factor()
         self._tail_limit = (None if len(self._tail) < TAIL_MIN else

@@ -33,6 +33,19 @@ The rule, and why:
   the last of them ended within ``stale_s`` (10 s). Otherwise (an idle engine) the last value
   holds and fades towards 1 with time constant ``idle_tau_s`` (10 s): an idle engine says
   nothing about its speed, and a pessimistic value must not outlive what it measured.
+- **Two steps at less than the reading end it** (`settle`). Weighting by time lets one long
+  step outweigh the many short ones after it until it leaves the window: a prefill beside the
+  decodes that took 0.9 s where 0.5 s is usual read 1.9 x for about a second, and one step
+  spanning a pause of the engine's read 5-7 x (measured 12-05, 2-core AVX2 EPYC, the overload
+  benchmark at 1.5 and 3 x C0 and under its oscillating load). The ingress reads the value once
+  a second and holds it, so each such step cut every cap for 1-2 s while the engine stepped at
+  its usual speed again; at 3 x C0 one of them refused three critical requests in a row. So
+  once the latest two steps are both `SETTLE_RATIO` (1.25, the door's margin) times less slow
+  than the weighted reading, the engine is stepping at their speed now: the reading is the
+  slower of the two (never past 1 the other way); nearer than that, the window decides. A
+  slow step just seen still reads at once, and so does every step of a starvation (each is as
+  slow as the reading); one usual step after a slow one is not enough (it may fall in a
+  starvation's gaps). The same holds the other way for a reading below 1.
 - **The reference follows slow drift, not starvation.** It learns a step only while the
   slowdown, and that step's own ratio, are within ``hold_ratio`` (2) of 1 either way. A
   machine a fifth slower for an hour is absorbed within a few hundred steps (the admission
@@ -77,6 +90,7 @@ MIN_STEPS = 3  # steps a reading rests on, at least
 KEEP_STEPS = 512  # steps kept for the window (more than a second of steps on any engine measured)
 STALL_MARGIN = 10.0  # a time without a step reads as a stall past this many times the longest usual step
 STALL_STEPS = 100  # steps observed before a time without one can read as a stall
+SETTLE_RATIO = 1.25  # two steps this many times nearer 1 than the reading end it (`settle`)
 
 
 def weighted_median(pairs: Sequence[tuple[float, float]]) -> float:
@@ -90,6 +104,18 @@ def weighted_median(pairs: Sequence[tuple[float, float]]) -> float:
         if acc >= half:
             return value
     return ordered[-1][0]
+
+
+def settle(reading: float, newest: float, before: float) -> float:
+    """The log slowdown ``reading`` (the window's weighted median), ended by the latest two
+    steps' log ratios (``newest``, ``before``) where both are at least `SETTLE_RATIO` times
+    nearer 1 than it: then the farther of the two on the reading's side, never past 0;
+    otherwise ``reading``."""
+    if max(abs(newest), abs(before)) > abs(reading) - math.log(SETTLE_RATIO):
+        return reading
+    if reading > 0:
+        return max(0.0, newest, before)
+    return min(0.0, newest, before)
 
 
 def step_key(batch: int, prompt_tokens: int) -> tuple[int, int]:
@@ -178,7 +204,7 @@ class EngineSpeed:
     def _log_slowdown(self, now: float) -> float:
         steps = self._reading(now)
         if steps:
-            value = weighted_median([(r, w) for _, r, w in steps])
+            value = settle(weighted_median([(r, w) for _, r, w in steps]), steps[0][1], steps[1][1])
             self._held = (value, now)
         else:
             held, at = self._held
@@ -193,5 +219,5 @@ class EngineSpeed:
                 "since_step_s": None if self._last_step_at is None else round(now - self._last_step_at, 3)}
 
 
-__all__ = ["EngineSpeed", "KEEP_STEPS", "MIN_STEPS", "REF_STEPS", "STALL_MARGIN", "STALL_STEPS", "step_key",
-           "weighted_median"]
+__all__ = ["EngineSpeed", "KEEP_STEPS", "MIN_STEPS", "REF_STEPS", "SETTLE_RATIO", "STALL_MARGIN", "STALL_STEPS",
+           "settle", "step_key", "weighted_median"]

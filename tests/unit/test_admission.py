@@ -842,6 +842,26 @@ def test_a_level_change_holds_the_caps_it_left_while_its_requests_run(
     assert (ctl.held_until is not None) == (expected == "level0" and in_flight > 0)
 
 
+def test_the_hold_reads_the_level_it_left_at_the_speed_in_force_not_as_it_stood() -> None:
+    ctl = controller()
+    served_at(ctl, 5, base=0.5, per=0.4, seconds=20)  # level 0: slow
+    level0 = [ctl.max_admitted(k) for k in (C, S, D)]
+    ctl.set_level(3)
+    served_at(ctl, 5, base=0.5, per=0.2, seconds=20, t0=100.0)  # level 3: twice as fast
+    level3 = [ctl.max_admitted(k) for k in (C, S, D)]
+    ctl.set_level(0)
+    assert ctl.set_speed(6.0, 199.0)  # a reading of 6 x (4.8 applied) while level 0 is in force
+    slowed = [ctl.max_admitted(k) for k in (C, S, D)]
+    assert slowed[0] < level0[0] < level3[0]
+    assert ctl.set_level(3, now=200.0, in_flight=4)  # the level rises with the reading in force
+    assert [ctl.max_admitted(k) for k in (C, S, D)] == slowed
+    assert ctl.set_speed(1.0, 200.5)  # the reading ends while level 0's requests still run
+    assert ctl.held_until == pytest.approx(200.0 + ctl.e2e_s)
+    assert [ctl.max_admitted(k) for k in (C, S, D)] == level0  # the level left, at the usual speed
+    assert ctl.end_hold()
+    assert [ctl.max_admitted(k) for k in (C, S, D)] == level3
+
+
 def test_a_change_to_a_slower_level_is_not_delayed_and_holds_chain() -> None:
     ctl = controller()
     ctl.set_level(1)

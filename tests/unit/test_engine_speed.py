@@ -11,9 +11,11 @@ from hypothesis import strategies as st
 from policies.engine_speed import (
     MIN_STEPS,
     REF_STEPS,
+    SETTLE_RATIO,
     STALL_MARGIN,
     STALL_STEPS,
     EngineSpeed,
+    settle,
     step_key,
     weighted_median,
 )
@@ -64,6 +66,48 @@ def test_an_outlying_step_moves_nothing() -> None:
     t += 0.3
     speed.observe(t, [0.3] * 4)  # a garbage collection: one step six times as long, 0.3 of the last second
     assert speed.slowdown(t) == pytest.approx(1.0)
+
+
+def test_a_long_slow_step_is_ended_by_two_usual_steps_after_it_not_by_the_window() -> None:
+    speed, t = warm()
+    t += 0.9
+    speed.observe(t, [0.9] * 4)  # one step 18 times as long: most of the last second's time
+    assert speed.slowdown(t) == pytest.approx(18.0)  # read at once, as a starvation's first step
+    t = run(speed, t, STEP_S)
+    assert speed.slowdown(t) == pytest.approx(18.0)  # one usual step after it is not enough
+    t = run(speed, t, STEP_S)
+    # two: the engine steps at its usual speed, where the window alone (0.9 s of the slow step
+    # against 0.15 s of usual ones) would read 18 for most of another second
+    assert speed.slowdown(t) == pytest.approx(1.0)
+
+
+def test_a_starvation_whose_steps_vary_reads_on() -> None:
+    speed, t = warm()
+    for i in range(12):  # 8 and 12 times slower in turn: no two in a row 1.25 x below the reading
+        t += (8 if i % 2 else 12) * STEP_S
+        speed.observe(t, [(8 if i % 2 else 12) * STEP_S] * 4)
+        assert speed.slowdown(t) >= 8.0 - 1e-9
+    t = run(speed, t, 2 * STEP_S)  # then two usual steps: over
+    assert speed.slowdown(t) == pytest.approx(1.0)
+
+
+L2, L15 = math.log(2.0), math.log(1.5)
+
+
+@pytest.mark.parametrize("reading, newest, before, settled", [
+    (0.0, 0.0, 0.0, 0.0),
+    (L2, 0.0, 0.0, 0.0),  # two usual steps after a 2 x reading end it
+    (L2, L2, 0.0, L2),  # the newest step as slow as the reading: it stands
+    (L2, 0.0, L2, L2),  # only one usual step since the slow one
+    (L2, L15, 0.1, L15),  # both 1.25 x below it: the slower of the two
+    (L2, math.log(2.0 / SETTLE_RATIO) + 0.01, 0.0, L2),  # not quite 1.25 x below: the window decides
+    (L2, -0.3, -0.2, 0.0),  # faster steps end a slow reading at 1, not below it
+    (-L2, 0.0, -0.1, -0.1),  # and the same the other way
+    (-L2, 0.3, 0.0, 0.0),
+    (-L2, -L2, 0.0, -L2),
+])
+def test_settle(reading: float, newest: float, before: float, settled: float) -> None:
+    assert settle(reading, newest, before) == pytest.approx(settled)
 
 
 @pytest.mark.parametrize("batch, prompt_tokens, step_s", [
