@@ -1093,7 +1093,8 @@ class AdmissionController:
         self.level = 0
         self._models: dict[int, ServiceModel] = {0: self._prior(slo, settings)}
         self._caps: tuple[int, ...] = ()
-        self._hold: tuple[float, tuple[ServiceModel, ...]] | None = None  # (until, levels' models): `set_level`
+        # (until, the models of the levels whose requests still run): `set_level`
+        self._hold: tuple[float, tuple[ServiceModel, ...]] | None = None
         self._arrivals = tuple(ArrivalRate(settings.reserve_window_s) for _ in Criticality)
         self._refusals = RefusalWindow(settings.refusal_window_s)
         self._in_flight_avg: tuple[float, float | None] = (0.0, None)  # (average, when)
@@ -1605,7 +1606,8 @@ class AdmissionController:
             f = self._speed.value
             for m in self._hold[1]:  # the levels they were admitted at, at the speed in force
                 held = m if f == 1.0 else SlowedModel(m, f)
-                caps = tuple(min(c, held.max_within(share * self.budget_s)) for c, share in zip(caps, self._shares))
+                caps = tuple(min(c, held.max_within(share * self.budget_s))
+                             for c, share in zip(caps, self._shares))
         self._caps = caps
         self._tail_factor = self._tail.factor()
         self._tail_limit = (None if len(self._tail) < TAIL_MIN else

@@ -35,11 +35,12 @@ The rule, and why:
   nothing about its speed, and a pessimistic value must not outlive what it measured.
 - **Two steps at less than the reading end it** (`settle`). Weighting by time lets one long
   step outweigh the many short ones after it until it leaves the window: a prefill beside the
-  decodes that took 0.9 s where 0.5 s is usual read 1.9 x for about a second, and one step
-  spanning a pause of the engine's read 5-7 x (measured 12-05, 2-core AVX2 EPYC, the overload
-  benchmark at 1.5 and 3 x C0 and under its oscillating load). The ingress reads the value once
-  a second and holds it, so each such step cut every cap for 1-2 s while the engine stepped at
-  its usual speed again; at 3 x C0 one of them refused three critical requests in a row. So
+  decodes that took 0.9 s where 0.5 s is usual read 1.9 x for about a second, and readings of
+  2 x and 5-7 x held the same way, each value unchanged over two or three of the ingress's
+  probes 0.5 s apart, as one step's ratio is (measured 12-05, 2-core AVX2 EPYC, the overload
+  benchmark at 1.5 and 3 x C0 and under its oscillating load). Each cut every cap for as long as its step
+  outweighed the steps after it, 0.5-1.5 s, while the requests in flight finished within the
+  SLO; at 3 x C0 three critical requests were refused in a row under one of them. So
   once the latest two steps are both `SETTLE_RATIO` (1.25, the door's margin) times less slow
   than the weighted reading, the engine is stepping at their speed now: the reading is the
   slower of the two (never past 1 the other way); nearer than that, the window decides. A
