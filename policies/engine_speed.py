@@ -57,13 +57,18 @@ The rule, and why:
 - **No step at all while the engine has work** is a stall, and reads as at least the time since
   its last step over `STALL_MARGIN` (10) times the longest step it usually takes (the largest
   reference of any kind of step, prefills beside decodes included), counted from its last
-  step and only where that step came after the engine last got work after being idle
-  (``slowdown(now, busy_since)``), and once it has stepped `STALL_STEPS` (100) times. A
-  request that finds the engine idle is prefilled alone, a step with no inter-token latency
-  (no reference), which takes several decode steps' time: a first version of the bound counted
-  from the moment the engine got the work and read those prefills as stalls (3-7 x for a few
-  hundred milliseconds, several times a minute at 0.93 req/s after `make serve`); the engine
-  has stepped in this busy time once a request has its first token. Measured (12-05, 2-core AVX2 EPYC,
+  step, or from when the engine last got work after being idle where it has not stepped since
+  (``slowdown(now, busy_since)``), once it has stepped `STALL_STEPS` (100) times. A request
+  that finds the engine idle is prefilled alone, a step with no inter-token latency (no
+  reference), which takes several decode steps' time: a first version of the bound, at one
+  times the longest step, read those prefills as stalls (3-7 x for a few hundred
+  milliseconds, several times a minute at 0.93 req/s after `make serve`), so for a while the
+  bound counted only from a step made in the busy time; at ten times the longest step such a
+  prefill reads under 1. But a starvation that begins as the engine gets work after a lull
+  then never read at all: measured (12-05 evening, the neighbour below, seed 402) no step for
+  35 s with 4-10 requests in flight, the slowdown at 1 throughout, and the door admitting
+  until its caps were full (8 of the 26 requests sent during it admitted; the requests sent
+  after it 58% within the SLO, against 96% where the bound read it). Measured (12-05, 2-core AVX2 EPYC,
   two busy processes started beside `make serve`'s app under load): the engine core made no
   step at all for the first 13 s of the neighbour, then steps 20-35 times slower; without the
   bound the slowdown read 1 for those 13 s (no step, no reading) and the door admitted as if
@@ -177,13 +182,14 @@ class EngineSpeed:
         """The step time now over the reference (1: as lately; 10: ten times slower), within
         ``[min_slowdown, max_slowdown]``. ``busy_since``: when the engine, idle before, got the
         requests it has now (None: it has none); then a stall (no step for longer than
-        `STALL_MARGIN` times its longest usual step, since a step made after ``busy_since``)
-        reads as at least its length over that, once it has stepped `STALL_STEPS` times."""
+        `STALL_MARGIN` times its longest usual step, since its last step or, where it has not
+        stepped since, since ``busy_since``) reads as at least its length over that, once it has
+        stepped `STALL_STEPS` times."""
         value = self._log_slowdown(now)
         last = self._last_step_at
-        if busy_since is not None and last is not None and last >= busy_since and self.steps >= STALL_STEPS:
+        if busy_since is not None and last is not None and self.steps >= STALL_STEPS:
             longest = max(ref[0] for ref in self._ref.values()) + math.log(STALL_MARGIN)
-            gap = now - last
+            gap = now - max(last, busy_since)  # no step since it got work: from then
             if gap > 0:
                 value = max(value, min(math.log(self.max_slowdown), math.log(gap) - longest))
         return math.exp(value)

@@ -217,10 +217,12 @@ def test_a_stall_while_busy_reads_as_its_length_over_a_margin_of_the_longest_usu
     # no step for five times that while busy: at least five times slower
     assert speed.slowdown(t + 5 * stall_s, busy) == pytest.approx(5.0, rel=1e-6)
     assert speed.slowdown(t + 5 * stall_s, None) == pytest.approx(1.0)  # idle: nothing to step
-    # idle, then work: no stall until the engine has stepped in this busy time (its first
-    # request's prefill, alone, has no reference)
-    assert speed.slowdown(t + 5 * stall_s, t + 0.5) == pytest.approx(1.0)
+    # idle, then work at t + 0.5 and no step since: counted from when the work came. Its first
+    # request's prefill, alone, has no reference, but takes far less than ten usual steps
+    assert speed.slowdown(t + 0.5 + 0.9 * stall_s, t + 0.5) == pytest.approx(1.0)
+    assert speed.slowdown(t + 0.5 + 5 * stall_s, t + 0.5) == pytest.approx(5.0, rel=1e-6)
     speed.observe(t + 4.2, [], 30)  # that prefill's first token: from here a time without a step counts
+    assert speed.slowdown(t + 4.2 + 0.9 * stall_s, t + 0.5) == pytest.approx(1.0)
     assert speed.slowdown(t + 4.2 + 5 * stall_s, t + 0.5) == pytest.approx(5.0, rel=1e-6)
     t = t + 4.2
     assert speed.state(t + 4.0, busy)["since_step_s"] == pytest.approx(4.0)
