@@ -38,9 +38,10 @@ The rule, and why:
   decodes that took 0.9 s where 0.5 s is usual read 1.9 x for about a second, and readings of
   2 x and 5-7 x held the same way, each value unchanged over two or three of the ingress's
   probes 0.5 s apart, as one step's ratio is (measured 12-05, 2-core AVX2 EPYC, the overload
-  benchmark at 1.5 and 3 x C0 and under its oscillating load). Each cut every cap for as long as its step
-  outweighed the steps after it, 0.5-1.5 s, while the requests in flight finished within the
-  SLO; at 3 x C0 three critical requests were refused in a row under one of them. So
+  benchmark at 1.5 and 3 x C0 and under its oscillating load). Each cut every cap for as long
+  as its step outweighed the steps after it, 0.5-1.5 s, where the runs tell while the requests
+  in flight finished within the SLO; at 3 x C0 three critical requests were refused in a row
+  under one of them. Since, the largest reading in a run on the same schedules was 1.39. So
   once the latest two steps are both `SETTLE_RATIO` (1.25, the door's margin) times less slow
   than the weighted reading, the engine is stepping at their speed now: the reading is the
   slower of the two (never past 1 the other way); nearer than that, the window decides. A
@@ -65,12 +66,12 @@ The rule, and why:
   milliseconds, several times a minute at 0.93 req/s after `make serve`), so for a while the
   bound counted only from a step made in the busy time; at ten times the longest step such a
   prefill reads under 1. But a starvation that begins as the engine gets work after a lull
-  then never read at all: measured (12-05 evening, the neighbour below, seed 402) no step for
+  then never read at all: measured (12-05 night, the neighbour below, seed 402) no step for
   35 s with 4-10 requests in flight, the slowdown at 1 throughout, and the door admitting
   until its caps were full (8 of the 26 requests sent during it admitted; the requests sent
-  after it 58% within the SLO, against 96% where the bound read it). Measured (12-05, 2-core AVX2 EPYC,
-  two busy processes started beside `make serve`'s app under load): the engine core made no
-  step at all for the first 13 s of the neighbour, then steps 20-35 times slower; without the
+  after it 58% within the SLO, against 96% where the bound read it). Measured (12-05, 2-core
+  AVX2 EPYC, two busy processes started beside `make serve`'s app under load): the engine core
+  made no step at all for the first 13 s of the neighbour, then steps 20-35 times slower; without the
   bound the slowdown read 1 for those 13 s (no step, no reading) and the door admitted as if
   nothing had happened. The longest usual step, not the step of the batch in force, and ten
   times it: a hiccup of a second is no starvation. With twice it, under the benchmark's
@@ -226,5 +227,5 @@ class EngineSpeed:
                 "since_step_s": None if self._last_step_at is None else round(now - self._last_step_at, 3)}
 
 
-__all__ = ["EngineSpeed", "KEEP_STEPS", "MIN_STEPS", "REF_STEPS", "SETTLE_RATIO", "STALL_MARGIN", "STALL_STEPS",
-           "settle", "step_key", "weighted_median"]
+__all__ = ["EngineSpeed", "KEEP_STEPS", "MIN_STEPS", "REF_STEPS", "SETTLE_RATIO", "STALL_MARGIN",
+           "STALL_STEPS", "settle", "step_key", "weighted_median"]
