@@ -1261,9 +1261,7 @@ class AdmissionController:
             return False
         if now is not None:
             self._expire_hold(now)
-        # the level left, and any still held from an earlier change: their caps bound the new one's
-        held = [m for m in (self._hold[1] if self._hold is not None else ()) if m is not self.model]
-        held.append(self.model)
+        left = self.model  # with the levels still held from an earlier change, it bounds the new one's caps
         stale = False
         if level > self.level and level in self._models:
             reach = self.model.fresh_reach(now)
@@ -1272,7 +1270,8 @@ class AdmissionController:
             self._models[level] = self.model.copy()
             self.models_replaced += stale
         self.level = level
-        self._hold = ((now + self.e2e_s, tuple(m for m in held if m is not self.model))
+        earlier = () if self._hold is None else self._hold[1]  # never holds `left`: it was in force
+        self._hold = ((now + self.e2e_s, tuple(m for m in (*earlier, left) if m is not self.model))
                       if now is not None and in_flight > 0 else None)
         self._recompute()
         return True
