@@ -1159,15 +1159,20 @@ class AdmissionController:
         step time that wanders by a fifth with the CPU's other work changes no cap (the model
         learns such drift from completions as before), while a starved engine is seen almost
         whole (ten times slower: eight). A change of less than `SPEED_STEP` from the value in
-        force is ignored (the caps are not recomputed for noise); the value is clamped to ``[1 /
-        SPEED_MAX, SPEED_MAX]``, and a reading that is not a positive number is ignored."""
+        force is ignored (the caps are not recomputed for noise), except back to 1: a reading
+        within the margin ends any slowdown in force, however small (measured 12-05, seed 212:
+        1.26 applied as 1.01, then ignored back to 1 for the last 160 s of a 3 x run, and a 1.006
+        kept across three runs on seed 208; a reading of 1.5 then 1.3 would have left 1.04). The
+        value is clamped to ``[1 / SPEED_MAX, SPEED_MAX]``, and a reading that is not a positive
+        number is ignored."""
         if math.isnan(slowdown) or not slowdown > 0:  # not a reading: nothing changes
             return False
         self.measured_slowdown = float(slowdown)
         log_f = math.log(min(SPEED_MAX, max(1.0 / SPEED_MAX, float(slowdown))))
         margin = math.log(SPEED_MARGIN)
         f = math.exp(math.copysign(max(0.0, abs(log_f) - margin), log_f))
-        if abs(math.log(f / self._speed.value)) < math.log1p(SPEED_STEP):
+        step = abs(math.log(f / self._speed.value))
+        if step == 0.0 or (f != 1.0 and step < math.log1p(SPEED_STEP)):
             return False
         self._speed.set(now, f)
         self._recompute()

@@ -1782,6 +1782,19 @@ def test_a_slowdown_within_the_step_is_noise_and_changes_nothing() -> None:
     assert not ctl.set_speed(float("nan"), 5.0) and ctl.slowdown == pytest.approx(80.0)
 
 
+def test_a_reading_within_the_margin_ends_even_a_slowdown_smaller_than_the_step() -> None:
+    ctl = controller()
+    caps = [ctl.max_admitted(k) for k in Criticality]
+    assert ctl.set_speed(1.5, 1.0) and ctl.slowdown == pytest.approx(1.2)
+    assert ctl.set_speed(1.3, 2.0) and ctl.slowdown == pytest.approx(1.04)  # 13% less: applied
+    assert ctl.set_speed(1.0, 3.0) and ctl.slowdown == 1.0  # 4% less, but back to 1: applied
+    assert [ctl.max_admitted(k) for k in Criticality] == caps
+    assert not ctl.set_speed(1.1, 4.0) and ctl.slowdown == 1.0  # within the margin: 1 already
+    assert ctl.set_speed(1.0 / 1.5, 5.0) and ctl.slowdown == pytest.approx(1.0 / 1.2)  # the other way too
+    assert ctl.set_speed(1.0 / 1.3, 6.0) and ctl.slowdown == pytest.approx(1.0 / 1.04)
+    assert ctl.set_speed(0.9, 7.0) and ctl.slowdown == 1.0
+
+
 def test_retry_after_grows_with_the_slowdown() -> None:
     ctl = controller()
     base = ctl.retry_after_s(30, ctl.max_admitted(S))
