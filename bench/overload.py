@@ -1518,7 +1518,8 @@ def single(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's options (also the defaults `bench/onset.py` plans with)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="short probes and runs: a smoke test of a few minutes")
     ap.add_argument("--only", default=None, help=f"comma-separated runs among {','.join(RUNS)} (default: all)")
@@ -1563,6 +1564,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--neighbour", default=None, metavar="FROM,TO[,PROCS]",
                     help="with --url: PROCS (default: one per core) busy processes beside the server from FROM to "
                     "TO seconds into the run (a noisy neighbour); reports the requests sent after it")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.neighbour is not None:
         if not args.url:

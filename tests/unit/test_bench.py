@@ -947,3 +947,40 @@ def test_a_run_against_a_running_brownout_records_the_policy_transitions(
         assert run_doc.get("transitions") == expected
     assert [base for base, _, _ in seen] == ["http://127.0.0.1:9"]
 
+
+
+def test_onset_shares_split_the_engines_cpus_between_the_engine_and_the_rest() -> None:
+    from bench.onset import CpuSample, shares
+
+    prev = CpuSample(t=10.0, engine_on_s=100.0, engine_wait_s=5.0, cpus_busy_s=120.0)
+    now = CpuSample(t=10.5, engine_on_s=100.45, engine_wait_s=5.05, cpus_busy_s=120.49)
+    assert shares(prev, now) == {"engine_cores": 0.9, "engine_runq_wait_s_per_s": 0.1, "others_cores": 0.08}
+    # the engine's own counter may run ahead of the CPU's ticks: others never below 0
+    ahead = CpuSample(t=11.0, engine_on_s=100.95, engine_wait_s=5.05, cpus_busy_s=120.9)
+    assert shares(now, ahead)["others_cores"] == 0.0
+    with pytest.raises(ValueError, match="out of order"):
+        shares(now, prev)
+
+
+def test_onset_summary_splits_the_onset_from_the_rest() -> None:
+    from bench.onset import summary
+
+    polls = [{"t_s": 0.5, "engine_slowdown": 1.0}, {"t_s": 1.1, "engine_slowdown": 2.4},
+             {"t_s": 3.2, "engine_slowdown": 0.9}, {"t_s": 5.0, "engine_slowdown": 1.1}]
+    cpu = [{"t_s": 1.0, "engine_cores": 0.9, "engine_runq_wait_s_per_s": 0.1, "others_cores": 0.1},
+           {"t_s": 2.0, "engine_cores": 0.7, "engine_runq_wait_s_per_s": 0.3, "others_cores": 0.3},
+           {"t_s": 4.0, "engine_cores": 0.95, "engine_runq_wait_s_per_s": 0.05, "others_cores": 0.0}]
+    s = summary(polls, cpu, 3.0)
+    assert s["first_3_s"] == {"max_reading": 2.4, "min_reading": 1.0, "engine_cores": 0.8,
+                              "engine_runq_wait_s_per_s": 0.2, "others_cores": 0.2}
+    assert s["after"] == {"max_reading": 1.1, "min_reading": 0.9, "engine_cores": 0.95,
+                          "engine_runq_wait_s_per_s": 0.05, "others_cores": 0.0}
+    assert summary([], [], 3.0)["after"]["max_reading"] is None
+
+
+def test_onset_refuses_an_unknown_mode_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.onset import main
+
+    with pytest.raises(SystemExit):
+        main(["--rate", "5", "--onsets", "auto,pin9"])
+    assert "--onsets 'auto,pin9'" in capsys.readouterr().err
