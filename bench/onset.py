@@ -13,7 +13,9 @@ first (no level change, no optional work). Beside the door's polls (its in-fligh
 reading and what it applied) it samples every ``--sample-s`` the engine-core process's CPU time and
 run-queue wait, summed over its threads (``/proc/<pid>/task/*/schedstat``), and how busy the
 engine's CPUs were (``/proc/stat``): whatever ran there besides the engine shows as the
-difference. So a reading of 2 x with the engine on its CPU all the time and nothing else there is
+difference. And every other sample the model's own reading with the kinds of step it rests on
+(``/healthz``'s ``engine.engine_speed_window``: each kind's batch, prompt tokens' power of two,
+steps, time, median ratio and reference). So a reading of 2 x with the engine on its CPU all the time and nothing else there is
 the engine's own steps (or the references they are compared with), not a neighbour's; a reading
 with the engine waiting on its run queue is a neighbour.
 """
@@ -102,6 +104,31 @@ class Sampler(threading.Thread):
             prev = now
 
 
+class WindowPoller(threading.Thread):
+    """Every ``every_s``, the model's speed reading and the kinds of step it rests on
+    (``/healthz``: ``engine.engine_speed_window``, `policies.engine_speed.EngineSpeed.window`)."""
+
+    def __init__(self, base: str, every_s: float) -> None:
+        super().__init__(name="onset-window", daemon=True)
+        self.base, self.every_s = base, every_s
+        self.stop = threading.Event()
+        self.rows: list[dict[str, Any]] = []
+
+    def run(self) -> None:
+        import httpx
+
+        t0 = time.monotonic()
+        with httpx.Client(base_url=self.base, headers=ov.HEADERS, timeout=5.0) as client:
+            while not self.stop.wait(self.every_s):
+                try:
+                    engine = client.get("/healthz").json().get("engine") or {}
+                except (httpx.HTTPError, ValueError):
+                    continue
+                self.rows.append({"t_s": round(time.monotonic() - t0, 2),
+                                  "slowdown": (engine.get("engine_speed") or {}).get("slowdown"),
+                                  "window": engine.get("engine_speed_window")})
+
+
 def summary(polls: list[dict[str, Any]], cpu: list[dict[str, float]], first_s: float) -> dict[str, Any]:
     """The largest speed reading in the first ``first_s`` and after, and the engine's CPU figures
     over the same spans (means of the samples)."""
@@ -156,13 +183,17 @@ def main(argv: list[str] | None = None) -> int:
                 ov.pin_level(cluster.base, 3)
             time.sleep(args.calm_s)
             sampler = Sampler(pid, cpus, args.sample_s)
+            windows = WindowPoller(cluster.base, 2 * args.sample_s)
             sampler.start()
+            windows.start()
             try:
                 doc = bench.run(f"onset {k + 1} {mode}", "brownout-adaptive", cluster.base,
                                 constant(args.rate, args.seconds), True)
             finally:
                 sampler.stop.set()
+                windows.stop.set()
                 sampler.join()
+                windows.join()
                 if mode == "pin3":
                     ov.pin_level(cluster.base, None)
             polls = [{"t_s": a["t_s"], "in_flight": a["in_flight"], "engine_slowdown": a["engine_slowdown"],
@@ -172,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                          "status_counts": o["status_counts"], "good_ratio": o["good_ratio"],
                          "e2e_p99_ms": o["e2e_ms"]["p99"],
                          "level_changes": [(t["t_s"], t["from"], t["to"]) for t in doc.get("transitions", [])],
-                         "polls": polls, "cpu": sampler.rows})
+                         "polls": polls, "cpu": sampler.rows, "speed_windows": windows.rows})
             ov.log(f"  onset {k + 1} {mode}: {json.dumps(runs[-1]['summary'])}")
     finally:
         from ray import serve

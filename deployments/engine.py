@@ -522,6 +522,10 @@ class LLMEngine:
         """`EngineSpeed.state` now: the slowdown, the steps it rests on, the steps seen, the kinds."""
         return self.speed.state(self._clock(), self._busy_since)
 
+    def speed_window(self) -> list[dict[str, float | int]]:
+        """`EngineSpeed.window` now: the kinds of step the speed reading rests on."""
+        return self.speed.window(self._clock())
+
     def _on_step(self, itls_s: list[float], prompt_tokens: int) -> None:
         self.speed.observe(self._clock(), itls_s, prompt_tokens)
 

@@ -251,6 +251,7 @@ class VLLMModel:
             "engine_core_pids": self.engine.engine_core_pids(),
             # the engine's steps read against steps like them (`policies.engine_speed`): slowdown, steps
             "engine_speed": self.engine.speed_state(),
+            "engine_speed_window": self.engine.speed_window(),  # which kinds of step that reading rests on
             "engine_failures": self.engine_failures,
             "cpu_isolation": self.cpu_isolation.describe(),
             "gpu": {"available": gpu.available, "reason": gpu.reason, "read_errors": self.gpu.read_errors,

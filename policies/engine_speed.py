@@ -149,8 +149,9 @@ class EngineSpeed:
         self.idle_tau_s = float(idle_tau_s)
         self.min_slowdown, self.max_slowdown = float(min_slowdown), float(max_slowdown)
         self._ref: dict[tuple[int, int], list[float]] = {}  # key -> [mean log step time, steps]
-        # the latest steps: (when it ended, log ratio, its time in seconds)
-        self._recent: collections.deque[tuple[float, float, float]] = collections.deque(maxlen=KEEP_STEPS)
+        # the latest steps: (when it ended, log ratio, its time in seconds, its key)
+        self._recent: collections.deque[tuple[float, float, float, tuple[int, int]]] = collections.deque(
+            maxlen=KEEP_STEPS)
         self._held = (0.0, None)  # (log slowdown, when measured): what an idle window falls back on
         self.steps = 0  # steps observed
         self._last_step_at: float | None = None  # the latest engine output of any kind (`observe`)
@@ -171,7 +172,7 @@ class EngineSpeed:
         if ref is None:  # agree with the other keys: this step at the slowdown in force
             self._ref[key] = ref = [x - self._log_slowdown(now), 0.0]
         r = x - ref[0]
-        self._recent.append((now, r, step_s))
+        self._recent.append((now, r, step_s, key))
         self.steps += 1
         log_now = self._log_slowdown(now)
         band = math.log(self.hold_ratio)
@@ -195,7 +196,7 @@ class EngineSpeed:
                 value = max(value, min(math.log(self.max_slowdown), math.log(gap) - longest))
         return math.exp(value)
 
-    def _reading(self, now: float) -> list[tuple[float, float, float]]:
+    def _reading(self, now: float) -> list[tuple[float, float, float, tuple[int, int]]]:
         """The steps the slowdown rests on now: those that ended within ``window_s``, or, where
         fewer than `MIN_STEPS` did, the latest `MIN_STEPS` if the last of them ended within
         ``stale_s``; [] otherwise."""
@@ -212,7 +213,7 @@ class EngineSpeed:
     def _log_slowdown(self, now: float) -> float:
         steps = self._reading(now)
         if steps:
-            value = settle(weighted_median([(r, w) for _, r, w in steps]), steps[0][1], steps[1][1])
+            value = settle(weighted_median([(r, w) for _, r, w, _ in steps]), steps[0][1], steps[1][1])
             self._held = (value, now)
         else:
             held, at = self._held
@@ -225,6 +226,21 @@ class EngineSpeed:
         return {"slowdown": round(self.slowdown(now, busy_since), 3), "window_steps": len(self._reading(now)),
                 "steps": self.steps, "keys": len(self._ref),
                 "since_step_s": None if self._last_step_at is None else round(now - self._last_step_at, 3)}
+
+    def window(self, now: float) -> list[dict[str, float | int]]:
+        """The kinds of step the reading rests on now, the most time first: each kind's batch, its
+        prompt tokens' power of two (`step_key`; 0: no prefill), how many of its steps are in the
+        window and their time, their ratio to its reference as the reading weighs them (the median
+        by time: one long step among short ones reads long), and that reference in ms. Says which
+        steps a reading comes from: a slow kind against the usual rest, or every kind alike."""
+        kinds: dict[tuple[int, int], list[tuple[float, float]]] = {}
+        for _, r, step_s, key in self._reading(now):
+            kinds.setdefault(key, []).append((r, step_s))
+        out = [{"batch": key[0], "prompt_pow2": key[1], "steps": len(v),
+                "time_s": round(sum(t for _, t in v), 4),
+                "ratio": round(math.exp(weighted_median(v)), 3),
+                "ref_ms": round(1000 * math.exp(self._ref[key][0]), 2)} for key, v in kinds.items()]
+        return sorted(out, key=lambda k: -k["time_s"])
 
 
 __all__ = ["EngineSpeed", "KEEP_STEPS", "MIN_STEPS", "REF_STEPS", "SETTLE_RATIO", "STALL_MARGIN",

@@ -246,3 +246,25 @@ def test_a_fresh_engine_reads_no_stall_before_it_has_stepped_enough() -> None:
     assert speed.slowdown(t + gap_s, 0.0) == pytest.approx(1.0)  # no step for long: not yet read as a stall
     t = run(speed, t, STEP_S)
     assert speed.slowdown(t + gap_s, 0.0) == pytest.approx(3.0)
+
+
+def test_the_window_says_which_kinds_of_step_a_reading_rests_on() -> None:
+    speed, t = warm()  # decodes of 4 at 50 ms: the reference of (4, no prefill)
+    t = run(speed, t, 2.0, step_s=0.1, batch=2, prompt_tokens=300)  # a kind of its own: its reference
+    t = run(speed, t, 2.0)  # the usual decodes, as usual
+    t = run(speed, t, 0.66, step_s=0.33, batch=2, prompt_tokens=300)  # that kind now 3.3 times slower
+    assert speed.window(t) == [
+        {"batch": 2, "prompt_pow2": 9, "steps": 2, "time_s": 0.66, "ratio": 3.3, "ref_ms": 100.0},
+        {"batch": 4, "prompt_pow2": 0, "steps": 7, "time_s": 0.35, "ratio": 1.0, "ref_ms": 50.0},
+    ]
+    assert speed.slowdown(t) == pytest.approx(3.3)  # the slow kind holds more than half the time
+    assert EngineSpeed().window(0.0) == []  # nothing observed: nothing to rest on
+
+
+def test_the_window_weighs_a_kinds_steps_by_their_time_as_the_reading_does() -> None:
+    speed, t = warm()
+    t = run(speed, t, 0.6, step_s=0.6)  # one step of 0.6 s, twelve times the usual, after 0.4 s of usual ones
+    (kind,) = speed.window(t)
+    assert kind["steps"] == 9 and kind["time_s"] == pytest.approx(1.0)
+    assert kind["ratio"] == pytest.approx(12.0)  # the plain median of the nine would say 1
+    assert speed.slowdown(t) == pytest.approx(12.0)
