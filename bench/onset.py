@@ -14,7 +14,7 @@ reading and what it applied) it samples every ``--sample-s`` the engine-core pro
 run-queue wait, summed over its threads (``/proc/<pid>/task/*/schedstat``), and how busy the
 engine's CPUs were (``/proc/stat``): whatever ran there besides the engine shows as the
 difference. And every other sample the model's own reading with the kinds of step it rests on
-(``/healthz``'s ``engine.engine_speed_window``: each kind's batch, prompt tokens' power of two,
+(``/healthz``'s ``engine.engine_speed_window``: each kind's batch, its fewest prompt tokens,
 steps, time, median ratio and reference). So a reading of 2 x with the engine on its CPU all the time and nothing else there is
 the engine's own steps (or the references they are compared with), not a neighbour's; a reading
 with the engine waiting on its run queue is a neighbour.

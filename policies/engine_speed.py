@@ -20,8 +20,14 @@ The rule, and why:
 - **What is measured.** A step's time is the median inter-token latency of the sequences that
   decoded in it (the engine core's timestamps; a prefill or a preemption in between lengthens
   one sequence's, not the median). Steps are compared only with steps like them: the key is the
-  batch (sequences that produced a token) and the step's prompt tokens in powers of two (a step
-  that also prefilled costs more). Per key a reference step time is kept, the mean of the log
+  batch (sequences that produced a token) and the step's prompt tokens in quarter powers of two
+  (a step that also prefilled costs more, about in proportion to the tokens it prefilled; a kind
+  spans at most 2 ** 0.25 = 1.19 x of them, under the door's margin of 1.25). Whole powers of two
+  left up to 2 x within a kind, and prefill steps are long, so a few of them outweigh a second of
+  decodes in the reading: measured (12-06, 2-core AVX-512 Xeon, 3 x C0, `bench/onset.py` with
+  `window`), readings of 1.3-1.4 in the middle of a run rested on prefills of 64-255 tokens alone,
+  reading 1.3-2.1 against references of steps that mostly prefilled fewer, while every kind of
+  decode beside them read 0.95-1.06. Per key a reference step time is kept, the mean of the log
   over its latest `REF_STEPS` steps; a step's ratio is its time over its key's reference.
 - **The slowdown** is ``exp`` of the median log ratio of the steps that ended within the last
   ``window_s`` (1 s), each weighted by its time: the ratio the engine spent at least half of
@@ -98,6 +104,7 @@ KEEP_STEPS = 512  # steps kept for the window (more than a second of steps on an
 STALL_MARGIN = 10.0  # a time without a step reads as a stall past this many times the longest usual step
 STALL_STEPS = 100  # steps observed before a time without one can read as a stall
 SETTLE_RATIO = 1.25  # two steps this many times nearer 1 than the reading end it (`settle`)
+PROMPT_KINDS_PER_DOUBLING = 4  # kinds of prefill per doubling of its prompt tokens (`step_key`)
 
 
 def weighted_median(pairs: Sequence[tuple[float, float]]) -> float:
@@ -126,8 +133,16 @@ def settle(reading: float, newest: float, before: float) -> float:
 
 
 def step_key(batch: int, prompt_tokens: int) -> tuple[int, int]:
-    """The steps a step is compared with: its batch and its prompt tokens in powers of two."""
-    return int(batch), 0 if prompt_tokens <= 0 else int(prompt_tokens).bit_length()
+    """The steps a step is compared with: its batch and its prompt tokens in quarter powers of two
+    (0: none; kind ``k`` >= 1 holds ``[2 ** ((k - 1) / 4), 2 ** (k / 4))`` tokens)."""
+    if prompt_tokens <= 0:
+        return int(batch), 0
+    return int(batch), int(math.floor(PROMPT_KINDS_PER_DOUBLING * math.log2(prompt_tokens) + 1e-9)) + 1
+
+
+def prompt_from(kind: int) -> int:
+    """The fewest prompt tokens of a step of prompt kind ``kind`` (`step_key`; 0: none)."""
+    return 0 if kind <= 0 else math.ceil(2 ** ((kind - 1) / PROMPT_KINDS_PER_DOUBLING) - 1e-9)
 
 
 class EngineSpeed:
@@ -228,20 +243,20 @@ class EngineSpeed:
                 "since_step_s": None if self._last_step_at is None else round(now - self._last_step_at, 3)}
 
     def window(self, now: float) -> list[dict[str, float | int]]:
-        """The kinds of step the reading rests on now, the most time first: each kind's batch, its
-        prompt tokens' power of two (`step_key`; 0: no prefill), how many of its steps are in the
+        """The kinds of step the reading rests on now, the most time first: each kind's batch, the
+        fewest prompt tokens of its kind (`step_key`, `prompt_from`; 0: no prefill), how many of its steps are in the
         window and their time, their ratio to its reference as the reading weighs them (the median
         by time: one long step among short ones reads long), and that reference in ms. Says which
         steps a reading comes from: a slow kind against the usual rest, or every kind alike."""
         kinds: dict[tuple[int, int], list[tuple[float, float]]] = {}
         for _, r, step_s, key in self._reading(now):
             kinds.setdefault(key, []).append((r, step_s))
-        out = [{"batch": key[0], "prompt_pow2": key[1], "steps": len(v),
+        out = [{"batch": key[0], "prompt_from": prompt_from(key[1]), "steps": len(v),
                 "time_s": round(sum(t for _, t in v), 4),
                 "ratio": round(math.exp(weighted_median(v)), 3),
                 "ref_ms": round(1000 * math.exp(self._ref[key][0]), 2)} for key, v in kinds.items()]
         return sorted(out, key=lambda k: -k["time_s"])
 
 
-__all__ = ["EngineSpeed", "KEEP_STEPS", "MIN_STEPS", "REF_STEPS", "SETTLE_RATIO", "STALL_MARGIN",
-           "STALL_STEPS", "settle", "step_key", "weighted_median"]
+__all__ = ["EngineSpeed", "KEEP_STEPS", "MIN_STEPS", "PROMPT_KINDS_PER_DOUBLING", "REF_STEPS", "SETTLE_RATIO",
+           "STALL_MARGIN", "STALL_STEPS", "prompt_from", "settle", "step_key", "weighted_median"]
