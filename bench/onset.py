@@ -15,9 +15,10 @@ run-queue wait, summed over its threads (``/proc/<pid>/task/*/schedstat``), and 
 engine's CPUs were (``/proc/stat``): whatever ran there besides the engine shows as the
 difference. And every other sample the model's own reading with the kinds of step it rests on
 (``/healthz``'s ``engine.engine_speed_window``: each kind's batch, its fewest prompt tokens,
-steps, time, median ratio and reference). So a reading of 2 x with the engine on its CPU all the time and nothing else there is
-the engine's own steps (or the references they are compared with), not a neighbour's; a reading
-with the engine waiting on its run queue is a neighbour.
+steps, time, ratio weighed by time and reference). So a reading of 2 x with the engine on its CPU
+all the time and nothing else there is the engine's own steps (or the references they are
+compared with), not a neighbour's; a reading with the engine waiting on its run queue is a
+neighbour.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ if str(ROOT) not in sys.path:
 
 from bench import overload as ov  # noqa: E402
 from bench.loadgen import constant  # noqa: E402
+from deployments.cpu_placement import thread_ids  # noqa: E402
 
 MODES = ("auto", "pin3")
 
@@ -68,7 +70,7 @@ def shares(prev: CpuSample, now: CpuSample) -> dict[str, float]:
 
 def sample(pid: int, cpus: list[int], t: float) -> CpuSample:
     on = wait = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
+    for tid in thread_ids(pid):
         try:
             with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
                 a, b, _ = f.read().split()

@@ -948,7 +948,6 @@ def test_a_run_against_a_running_brownout_records_the_policy_transitions(
     assert [base for base, _, _ in seen] == ["http://127.0.0.1:9"]
 
 
-
 def test_onset_shares_split_the_engines_cpus_between_the_engine_and_the_rest() -> None:
     from bench.onset import CpuSample, shares
 
