@@ -44,7 +44,8 @@ the previous run's demand still counted (a step run that began 9 s after a 3x ru
 level 2).
 
 With ``--adaptive-repeats N`` the adaptive 1.5x and 3x loads run N times, each repeat after C3
-is calibrated again beside it (`repeat_figures`: per repeat, medians, the 3x classes pooled).
+is calibrated again beside it (`repeat_figures`: per repeat, medians, the 3x classes pooled);
+with ``--c0-each-repeat`` C0 too, and each repeat's loads are 1.5 and 3 x its own C0.
 
 Writes ``bench/results/overload.json`` (``overload_quick.json`` with ``--quick``) and one figure
 next to it, and prints a table and the ratios the admission work is judged by.
@@ -1029,12 +1030,23 @@ def comparison(args: argparse.Namespace) -> int:
                 if plan.oscillate:
                     adaptive.append(("adaptive oscillate", oscillate(c0, 0.5 * c0, 30.0, 60.0), {"load": "oscillate"}))
                 run_adaptive(bench, base, policy_doc, adaptive)
+                c0_again = getattr(args, "c0_each_repeat", False) and args.c0 is None
+                c0_now = c0  # the C0 this repeat's loads come from (the first, unless measured again)
                 for k in range(2, plan.adaptive_repeats + 1):
                     # C3 again beside each repeat (admission off, level 3 pinned, as the first): the
                     # machine's speed drifts over a run, and the 3x figure is judged against C3
-                    if args.c3 is None:
+                    if args.c3 is None or c0_again:
                         set_admission(base, policy_doc, enabled=False)
-                        calibrate_c3(bench, base, plan, c0, suffix=f" #{k}")
+                    if c0_again:
+                        # and C0, so the loads are 1.5 and 3 x what level 0 serves now: on 12-06 the
+                        # Xeon's C3 fell 15.3 -> 11.4 req/s within 25 min under a C0 measured once,
+                        # and the 1.5x load grew from 1.05 to 1.41 x C3
+                        c0_k, _ = calibrate_pair(bench, base, plan, suffix=f" #{k}", first=False)
+                        if c0_k > 0:  # else the loads stay as they were
+                            c0_now, loads = c0_k, {"1.5x": 1.5 * c0_k, "3x": 3.0 * c0_k}
+                            plan.size_runs(c0_k)
+                    if args.c3 is None:
+                        calibrate_c3(bench, base, plan, c0_now, suffix=f" #{k}")
                     todo = [(f"adaptive @{tag} #{k}", constant(rate, plan.run_s),
                              {"load": tag, "repeat": k, "schedule": f"{tag} #{k}"}) for tag, rate in loads.items()]
                     if plan.mix:
@@ -1229,7 +1241,6 @@ def repeat_figures(runs: Sequence[dict[str, Any]], capacity: dict[str, Any], slo
     None with one repeat."""
     rows: list[dict[str, Any]] = []
     pooled: dict[str, dict[str, int]] = {}
-    c0 = (capacity.get("C0") or {}).get("capacity_rps")
     k = 1
     while True:
         suffix = "" if k == 1 else f" #{k}"
@@ -1238,7 +1249,11 @@ def repeat_figures(runs: Sequence[dict[str, Any]], capacity: dict[str, Any], slo
         if hi is None and mid is None:
             break
         c3 = (capacity.get(f"C3{suffix}") or capacity.get("C3") or {}).get("capacity_rps")
+        # the C0 this repeat's loads were sized from: its own (--c0-each-repeat), else the first
+        c0 = (capacity.get(f"C0{suffix}") or capacity.get("C0") or {}).get("capacity_rps")
         row: dict[str, Any] = {"repeat": k, "C3_rps": c3}
+        if f"C0{suffix}" in capacity and k > 1:
+            row["C0_rps"] = c0
         # the 1.5x load against what the minimal path carried within the SLO beside it with every
         # request admitted (one calibration, noisy): context for the 1.5x figures, not a bound, as
         # the door carries more by refusing some (3x goodput 1.1-1.9 x C3 on 12-04)
@@ -1264,7 +1279,7 @@ def repeat_figures(runs: Sequence[dict[str, Any]], capacity: dict[str, Any], slo
         return None
     medians = {}
     for key in dict.fromkeys(k for r in rows for k in r):  # every key, in first-seen order
-        if key not in ("repeat", "C3_rps", "shed order at 3xC0"):
+        if key not in ("repeat", "C3_rps", "C0_rps", "shed order at 3xC0"):
             median = percentile([r[key] for r in rows if r.get(key) is not None], 50)  # None if none
             medians[key] = None if median is None else round(median, 4)
     per_class = {c: {**v, "good_ratio": round(v["good"] / v["requests"], 4) if v["requests"] else None,
@@ -1551,6 +1566,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--adaptive-repeats", type=int, default=1,
                     help="run adaptive @1.5x and @3x this many times, each repeat after C3 is measured again beside "
                     "it (unless --c3); per-repeat figures, their medians and the 3x classes pooled in 'repeats'")
+    ap.add_argument("--c0-each-repeat", action="store_true",
+                    help="with --adaptive-repeats: measure C0 again before each repeat too, and size its 1.5x and 3x "
+                    "loads from it (default: the first C0 for every repeat)")
     ap.add_argument("--seed", type=int, default=None, help="fix the prompts and schedules (default: fresh per run)")
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--name", default=None, help="file stem of the report and figure")

@@ -603,6 +603,29 @@ def test_repeat_figures_judge_each_repeat_against_its_own_c3_and_pool_the_classe
     assert overload.repeat_figures(runs[:2], capacity, 2000.0) is None
 
 
+def test_repeat_figures_size_each_repeat_from_its_own_c0_where_it_was_measured_again() -> None:
+    """``--c0-each-repeat``: a repeat's 1.5x load is judged against its own C0 (``C0 #k``), and
+    the row names it; without one, the first C0 stands (the test above)."""
+    from bench import overload
+
+    def run(name: str, load: str) -> dict:  # type: ignore[type-arg]
+        records = [rec(i, i * 0.5, i * 0.5 + 1.0) for i in range(20)]
+        return rep.run_report(name, RunResult(constant(2.0, 10.0), records, [], 0.0, 1), 2000.0, load=load)
+
+    runs = [run("adaptive @1.5x", "1.5x"), run("adaptive @3x", "3x"),
+            run("adaptive @1.5x #2", "1.5x"), run("adaptive @3x #2", "3x")]
+    capacity = {"C0": {"capacity_rps": 2.0}, "C0 #2": {"capacity_rps": 1.0},
+                "C3": {"capacity_rps": 4.0}, "C3 #2": {"capacity_rps": 3.0}}
+    out = overload.repeat_figures(runs, capacity, 2000.0)
+    assert out is not None
+    rows = out["per_repeat"]
+    assert [r["1.5xC0 / C3"] for r in rows] == [0.75, 0.5]  # 1.5 x 2 / 4, then 1.5 x 1 / 3
+    assert "C0_rps" not in rows[0] and rows[1]["C0_rps"] == 1.0
+    assert "C0_rps" not in out["median"]
+    args = overload.build_parser().parse_args(["--adaptive-repeats", "3", "--c0-each-repeat"])
+    assert args.c0_each_repeat is True and overload.build_parser().parse_args([]).c0_each_repeat is False
+
+
 def test_adaptive_repeats_must_be_one_or_more() -> None:
     import argparse
 
