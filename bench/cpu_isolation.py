@@ -46,9 +46,10 @@ from deployments import cpu_placement as cp  # noqa: E402
 MODEL = "brownout-tiny"
 
 
-def schedstat(pid: int) -> tuple[int, int]:
-    """(ns on a CPU, ns waiting on a run queue) of the thread ``pid``."""
-    with open(f"/proc/{pid}/task/{pid}/schedstat") as f:
+def schedstat(pid: int, tid: int | None = None) -> tuple[int, int]:
+    """(ns on a CPU, ns waiting on a run queue) of the thread ``tid`` of process ``pid`` (its
+    main thread by default)."""
+    with open(f"/proc/{pid}/task/{pid if tid is None else tid}/schedstat") as f:
         on_cpu, waiting, _ = f.read().split()
     return int(on_cpu), int(waiting)
 

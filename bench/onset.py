@@ -39,6 +39,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import overload as ov  # noqa: E402
+from bench.cpu_isolation import schedstat  # noqa: E402
 from bench.loadgen import constant  # noqa: E402
 from deployments.cpu_placement import thread_ids  # noqa: E402
 
@@ -72,12 +73,11 @@ def sample(pid: int, cpus: list[int], t: float) -> CpuSample:
     on = wait = 0
     for tid in thread_ids(pid):
         try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                a, b, _ = f.read().split()
+            a, b = schedstat(pid, tid)
         except OSError:  # a thread that ended between the listing and the read
             continue
-        on += int(a)
-        wait += int(b)
+        on += a
+        wait += b
     hz = os.sysconf("SC_CLK_TCK")
     busy = 0
     names = {f"cpu{c}" for c in cpus}
