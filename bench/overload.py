@@ -202,6 +202,13 @@ class Plan:
         self.adaptive_repeats = 1 if repeats is None else repeats
         if self.adaptive_repeats < 1:
             raise SystemExit(f"--adaptive-repeats: {self.adaptive_repeats}; give 1 or more")
+        if getattr(args, "c0_each_repeat", False):
+            if self.adaptive_repeats < 2:
+                raise SystemExit(f"--c0-each-repeat: measures C0 again before repeats 2 and on; "
+                                 f"--adaptive-repeats is {self.adaptive_repeats}, give 2 or more")
+            if getattr(args, "c0", None) is not None:
+                raise SystemExit(f"--c0-each-repeat with --c0 {args.c0}: a given C0 is never measured again; "
+                                 "give one or the other")
         self.max_tokens = args.max_tokens
         self.mix = None if args.no_mix else (parse_mix(args.mix) if args.mix else DEFAULT_MIX)
         self.seed = args.seed
@@ -1030,7 +1037,7 @@ def comparison(args: argparse.Namespace) -> int:
                 if plan.oscillate:
                     adaptive.append(("adaptive oscillate", oscillate(c0, 0.5 * c0, 30.0, 60.0), {"load": "oscillate"}))
                 run_adaptive(bench, base, policy_doc, adaptive)
-                c0_again = getattr(args, "c0_each_repeat", False) and args.c0 is None
+                c0_again = getattr(args, "c0_each_repeat", False)  # never with --c0 (`Plan`)
                 c0_now = c0  # the C0 this repeat's loads come from (the first, unless measured again)
                 for k in range(2, plan.adaptive_repeats + 1):
                     # C3 again beside each repeat (admission off, level 3 pinned, as the first): the

@@ -637,6 +637,18 @@ def test_adaptive_repeats_must_be_one_or_more() -> None:
         overload.Plan(args)
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--c0-each-repeat"], "--c0-each-repeat: .* --adaptive-repeats is 1, give 2 or more"),
+    (["--c0-each-repeat", "--adaptive-repeats", "3", "--c0", "8.5"], "--c0-each-repeat with --c0 8.5"),
+])
+def test_c0_each_repeat_refuses_where_it_could_do_nothing(argv: list[str], message: str) -> None:
+    from bench import overload
+
+    with pytest.raises(SystemExit, match=message):
+        overload.Plan(overload.build_parser().parse_args(argv))
+    overload.Plan(overload.build_parser().parse_args(["--c0-each-repeat", "--adaptive-repeats", "2"]))  # accepted
+
+
 def test_rel_diff_and_staged_probe_sizes() -> None:
     import argparse
 
