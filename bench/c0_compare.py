@@ -55,6 +55,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import yaml
 
 from bench import overload as ov
+from bench import provenance
 
 ROOT = Path(__file__).resolve().parents[1]
 APP = ov.APP
@@ -472,9 +473,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     revs = {"before": git("rev-parse", "--short=7", f"{args.before}^{{commit}}"),
             "after": git("rev-parse", "--short=7", f"{args.after}^{{commit}}")}
     subjects = {side: git("log", "-1", "--format=%s", rev) for side, rev in revs.items()}
-    bench_code = {"commit": git("rev-parse", "--short=7", "HEAD"),
-                  "uncommitted": [line for line in git("status", "--porcelain", "--", "bench").splitlines()
-                                  if "bench/results/" not in line]}
+    bench_code = provenance.code_state(ROOT, ["bench"])
     t_start = time.monotonic()
     ov.NOISE.start()
     ov.log(f"C0 before {revs['before']} / after {revs['after']}; SLO p99 e2e {args.slo_ms:g} ms; "
@@ -496,7 +495,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "what": "C0, the capacity with every feature on (level 0 pinned through the admin API), of the revision "
                 "before the issue-8 refactor and of the revision after it, measured in one run, alternating",
         "meta": {
-            "command": " ".join(["bench/c0_compare.py", *(sys.argv[1:] if argv is None else argv)]),
+            "command": provenance.command_line("bench/c0_compare.py", sys.argv[1:] if argv is None else argv),
             "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "revisions": {side: {"commit": rev, "subject": subjects[side]} for side, rev in revs.items()},
             # the measuring code (this script, bench/overload.py, bench/loadgen.py): the checkout's

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -39,6 +38,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import overload as ov  # noqa: E402
+from bench import provenance  # noqa: E402
 from bench.cpu_isolation import schedstat  # noqa: E402
 from bench.loadgen import constant  # noqa: E402
 from deployments.cpu_placement import thread_ids  # noqa: E402
@@ -171,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = ov.Bench(plan)
     cluster = ov.Cluster(plan, f"onsets {','.join(onsets)} at {args.rate:g} req/s")
     t_start = time.monotonic()
+    code = provenance.code_state()  # before anything is deployed: the code this run measures
     runs: list[dict[str, Any]] = []
     try:
         ov.deploy_unprotected(bench, cluster)
@@ -212,9 +213,8 @@ def main(argv: list[str] | None = None) -> int:
 
         serve.shutdown()
         cluster.close()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    out = {"meta": {"command": " ".join(["bench/onset.py", *(argv if argv is not None else sys.argv[1:])]),
-                    "code_commit": commit or None, "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    out = {"meta": {"command": provenance.command_line("bench/onset.py", sys.argv[1:] if argv is None else argv),
+                    "code_commit": code["commit"], "uncommitted": code["uncommitted"], "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "machine": ov.machine(), "slo_ms": args.slo_ms, "rate_rps": args.rate,
                     "calm_s": args.calm_s, "seconds": args.seconds, "engine_cpus": cpus,
                     "wall_s": round(time.monotonic() - t_start, 1)},

@@ -83,6 +83,7 @@ if __package__ in (None, ""):  # run as a script: the repository importable, ben
 import httpx
 import yaml
 
+from bench import provenance
 from bench import report as rep
 from bench.loadgen import (
     DEFAULT_MIX,
@@ -1114,7 +1115,10 @@ def comparison(args: argparse.Namespace) -> int:
 
 def meta(plan: Plan, args: argparse.Namespace, total_s: float, phases: dict[str, float]) -> dict[str, Any]:
     return {
-        "command": "bench/overload.py " + " ".join(sys.argv[1:]),
+        "command": provenance.command_line("bench/overload.py", args.argv),
+        # read when the run started (main): the service code deployed and the measuring code
+        "code_commit": args.code["commit"],
+        "uncommitted": args.code["uncommitted"],
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": machine(),
         "slo": {"p99_e2e_ms": plan.slo.slo_ms, "max_error_ratio": plan.slo.max_error_ratio},
@@ -1595,6 +1599,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    args.code = provenance.code_state()
     if args.neighbour is not None:
         if not args.url:
             ap.error(f"--neighbour {args.neighbour}: needs --url (a running server to put it beside)")
