@@ -73,6 +73,10 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _fmt(transitions: Sequence[dict[str, Any]]) -> str:
+    return "; ".join(f"{t['after_step_s']:+.2f} s L{t['to']} {t['signal']} {t['value']}" for t in transitions) or "-"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("files", nargs="+", help="bench/overload.py result files (JSON)")
@@ -89,10 +93,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"rows": rows, "summary": summary}, indent=1))
         return 0
-    fmt = lambda ts: "; ".join(f"{t['after_step_s']:+.2f} s L{t['to']} {t['signal']} {t['value']}" for t in ts) or "-"  # noqa: E731
     for r in rows:
-        print(f"{r['source']:<58} {str(r['code_commit'])[:7]:<7}  before: {fmt(r['before_step']):<40}  "
-              f"after: {fmt(r['after_step'])}")
+        print(f"{r['source']:<58} {str(r['code_commit'])[:7]:<7}  before: {_fmt(r['before_step']):<40}  "
+              f"after: {_fmt(r['after_step'])}")
     print(json.dumps(summary))
     return 0
 
