@@ -1540,6 +1540,14 @@ class AdmissionController:
                 limit = min(limit, ramp)
         return limit
 
+    def arrival_rates(self, now: float) -> dict[str, tuple[float, float]]:
+        """Each class's measured arrival rate (requests/s offered, admitted or refused) as
+        ``(long, fast)``: the `ArrivalRate` estimates on ``admission.reserve_window_s`` and a fifth
+        of it that room kept, shut-outs and the tail limit's gate read. For the operator and the
+        benchmark's polls: whether a refusal came in a clump or with demand past what the door
+        drains at its caps is read from them beside ``class_cap`` and the model's line."""
+        return {c.value: (a.rate(now), a.fast_rate(now)) for c, a in zip(Criticality, self._arrivals, strict=True)}
+
     def measured_reach(self, now: float) -> int:
         """The highest concurrency (``round(m)`` of `ServiceModel.concurrency`, at any level) at
         which a served request completed within the last `RAMP_WINDOW_S` of ``now``; 0 where none.

@@ -456,6 +456,9 @@ class AdmissionGate:
             # the highest concurrency served requests were measured at in the last 10 s, and the
             # limit it sets the classes below critical while critical work arrives (`ramp_limit`)
             "measured_reach": None if ctl is None else ctl.measured_reach(now),
+            # each class's arrivals per second, [long, fast] estimate (`arrival_rates`)
+            "arrival_rate_per_s": None if ctl is None else {
+                c: [round(long, 3), round(fast, 3)] for c, (long, fast) in ctl.arrival_rates(now).items()},
             "ramp_limit": None if ctl is None else ctl.ramp_limit(now),
             "ramp_step": None if ctl is None else ctl.ramp_step,
             "admitted": dict(self.admitted),

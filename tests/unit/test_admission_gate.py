@@ -567,6 +567,10 @@ def test_the_ramp_refusal_names_itself_and_the_state_shows_it() -> None:
     assert g.state()["ramp_limit"] is None and g.state()["ramp_step"] == 3  # no critical work has arrived
     tickets = fill(g, 4)  # critical work arrives; nothing served yet
     assert g.state()["measured_reach"] == 0 and g.state()["ramp_limit"] == 4
+    # four critical arrivals at one moment: 4 / tau on the long estimate, 4 / (tau / 5) on the fast one
+    tau_s = g.controller.settings.reserve_window_s
+    assert g.state()["arrival_rate_per_s"] == {"critical": [round(4 / tau_s, 3), round(20 / tau_s, 3)],
+                                               "standard": [0.0, 0.0], "sheddable": [0.0, 0.0]}
     with pytest.raises(RequestError) as err:
         g.admit("standard")
     assert err.value.status == 429 and err.value.message.startswith(
