@@ -47,3 +47,26 @@ def test_the_command_reads_files_and_refuses_a_bad_one(tmp_path: Path, capsys: p
     with pytest.raises(SystemExit):
         step_levels.main([str(bad)])
     assert "bad.json: not a readable result file" in capsys.readouterr().err
+
+
+def test_each_refusal_is_read_against_the_arrivals_and_what_the_door_drains_at_the_cap() -> None:
+    def poll(t_s: float, refused: dict[str, int], rates: dict[str, list[float]] | None) -> dict:  # type: ignore[type-arg]
+        return {"t_s": t_s, "refused": refused, "class_cap": {"critical": 12, "standard": 5, "sheddable": 5},
+                "base_latency_s": 0.4, "per_request_s": 0.1, "slowdown_applied": 1.0, "arrival_rate_per_s": rates}
+
+    low = {"critical": [1.0, 0.5], "standard": [2.0, 2.5], "sheddable": [1.5, 2.0]}
+    high = {"critical": [5.0, 6.0], "standard": [12.0, 14.0], "sheddable": [8.0, 9.0]}
+    doc = {"runs": [{"name": "adaptive step", "load_steps_s": [15.0, 40.0], "admission": [
+        poll(1.0, {"sheddable:class_share_exhausted": 3}, low),
+        poll(1.5, {"sheddable:class_share_exhausted": 4}, low),  # one more: a clump at half load
+        poll(2.0, {"sheddable:class_share_exhausted": 4}, low),  # none: no row
+        poll(15.5, {"sheddable:class_share_exhausted": 6, "standard:class_share_exhausted": 2}, high),
+        poll(16.0, {"sheddable:class_share_exhausted": 6, "standard:class_share_exhausted": 2}, None),  # old polls
+    ]}, {"name": "pinned0 @3x", "admission": [poll(1.0, {"x:y": 1}, low), poll(1.5, {"x:y": 2}, low)]}]}
+    rows = step_levels.refusals(doc, "r.json")
+    # cap 5 on the line: 5 / (0.4 + 0.1 * 4) = 6.25 req/s drained
+    assert [(r["phase"], r["class"], r["refused"], r["drain_per_s"], r["arrivals_long_per_s"], r["long_over_drain"])
+            for r in rows] == [("before the step", "sheddable", 1, 6.25, 4.5, 0.72),
+                               ("step up", "sheddable", 2, 6.25, 25.0, 4.0),
+                               ("step up", "standard", 2, 6.25, 25.0, 4.0)]
+    assert rows[0]["fast_over_drain"] == 0.8  # 5.0 / 6.25
