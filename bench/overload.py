@@ -7,6 +7,7 @@ built-in ``ray.serve.llm`` OpenAI app, each alone on the machine in turn, in one
     .venv/bin/python bench/overload.py --url http://127.0.0.1:8000 --profile step --capacity 3.4
     .venv/bin/python bench/overload.py --calibrate-only --slo-ms 4000   # C0, C3 twice: repeatability.json
     .venv/bin/python bench/overload.py --adaptive-repeats 3   # adaptive 1.5x, 3x three times, C3 beside each
+    .venv/bin/python bench/overload.py --only adaptive --step-only --step-repeats 6 --c3 12 --no-vllm-bench
 
 It starts its own Ray cluster (``ray.init(address="local")``, a private temp dir, ended with
 ``ray.shutdown()``), deploys ``serve_config.yaml`` with ``serve deploy`` (only the HTTP port and
@@ -45,7 +46,11 @@ level 2).
 
 With ``--adaptive-repeats N`` the adaptive 1.5x and 3x loads run N times, each repeat after C3
 is calibrated again beside it (`repeat_figures`: per repeat, medians, the 3x classes pooled);
-with ``--c0-each-repeat`` C0 too, and each repeat's loads are 1.5 and 3 x its own C0.
+with ``--c0-each-repeat`` C0 too, and each repeat's loads are 1.5 and 3 x its own C0. With
+``--step-repeats N`` the step profile runs N times (a fresh draw each, after its own reset), and
+``--step-only`` leaves out the other adaptive runs: whether the level stays at 0 through the
+0.5 x C0 phase, and how soon it rises after the step, vary from one draw to the next
+(`bench/step_levels.py` reads every step run of a result file).
 
 Writes ``bench/results/overload.json`` (``overload_quick.json`` with ``--quick``) and one figure
 next to it, and prints a table and the ratios the admission work is judged by.
@@ -203,6 +208,14 @@ class Plan:
         self.adaptive_repeats = 1 if repeats is None else repeats
         if self.adaptive_repeats < 1:
             raise SystemExit(f"--adaptive-repeats: {self.adaptive_repeats}; give 1 or more")
+        steps = getattr(args, "step_repeats", None)
+        self.step_repeats = 1 if steps is None else steps
+        if self.step_repeats < 1:
+            raise SystemExit(f"--step-repeats: {self.step_repeats}; give 1 or more")
+        self.step_only = bool(getattr(args, "step_only", False))
+        if self.step_only and self.adaptive_repeats > 1:
+            raise SystemExit(f"--step-only with --adaptive-repeats {self.adaptive_repeats}: the repeats are of "
+                             "the 1.5x and 3x loads, which --step-only leaves out; give --step-repeats")
         if getattr(args, "c0_each_repeat", False):
             if self.adaptive_repeats < 2:
                 raise SystemExit(f"--c0-each-repeat: measures C0 again before repeats 2 and on; "
@@ -971,6 +984,25 @@ def one_class_run(rate: float, plan: Plan, repeat: int = 1) -> tuple[str, Profil
     return (f"adaptive @1.5x{ONE_CLASS_SUFFIX}" + (f" #{repeat}" if repeat > 1 else ""), constant(rate, plan.run_s), extra)
 
 
+def adaptive_runs(plan: Plan, c0: float, loads: dict[str, float]) -> list[tuple[str, Profile, dict[str, Any]]]:
+    """The first repeat's adaptive runs, in order: 1.5x, 1.5x of one class (with a mix), 3x, the
+    step profile ``plan.step_repeats`` times and, unless ``--quick``, the oscillation; with
+    ``--step-only`` the step profiles alone."""
+    todo: list[tuple[str, Profile, dict[str, Any]]] = [] if plan.step_only else [
+        (f"adaptive @{tag}", constant(rate, plan.run_s), {"load": tag, "schedule": f"{tag} #1"})
+        for tag, rate in loads.items()]
+    if plan.mix and not plan.step_only:  # issue 10 names the mix for one 3x item only: 1.5x also with one class
+        todo.insert(1, one_class_run(loads["1.5x"], plan))
+    todo.append(("adaptive step", step(c0, plan.step_low_s, plan.step_high_s), {"load": "step"}))
+    # each a fresh draw after its own reset to level 0: whether the level rises before the step,
+    # and how soon after it, varies from one draw of the arrivals to the next
+    todo += [(f"adaptive step #{k}", step(c0, plan.step_low_s, plan.step_high_s), {"load": "step", "repeat": k})
+             for k in range(2, plan.step_repeats + 1)]
+    if plan.oscillate and not plan.step_only:
+        todo.append(("adaptive oscillate", oscillate(c0, 0.5 * c0, 30.0, 60.0), {"load": "oscillate"}))
+    return todo
+
+
 def run_adaptive(bench: Bench, base: str, policy_doc: dict[str, Any],
                  todo: Sequence[tuple[str, Profile, dict[str, Any]]]) -> None:
     """Run each adaptive profile in ``todo``, in order, each after `reset_policy`."""
@@ -1016,7 +1048,7 @@ def comparison(args: argparse.Namespace) -> int:
                 prompts = max(8, min(40, round(0.5 * c0 * (30 if plan.quick else 60))))
                 bench.vllm_bench = bench.timed("vllm_bench_serve", lambda: vllm_bench_serve(
                     base, tmp, plan, num_prompts=prompts, rate_rps=0.5 * c0))
-            if "pinned3" in plan.runs or (c3 is None and "adaptive" in plan.runs):
+            if "pinned3" in plan.runs or (c3 is None and "adaptive" in plan.runs and not plan.step_only):
                 if c3 is None:
                     c3, bench.unloaded["brownout level 3"] = calibrate_c3(bench, base, plan, c0)
                 else:
@@ -1030,14 +1062,7 @@ def comparison(args: argparse.Namespace) -> int:
             if c3 is not None and "C3" not in bench.capacity:
                 bench.capacity["C3"] = {"capacity_rps": c3, "given": True}
             if "adaptive" in plan.runs:
-                adaptive = [(f"adaptive @{tag}", constant(rate, plan.run_s), {"load": tag, "schedule": f"{tag} #1"})
-                            for tag, rate in loads.items()]
-                if plan.mix:  # issue 10 names the mix for one 3x item only: 1.5x also with one class
-                    adaptive.insert(1, one_class_run(loads["1.5x"], plan))
-                adaptive.append(("adaptive step", step(c0, plan.step_low_s, plan.step_high_s), {"load": "step"}))
-                if plan.oscillate:
-                    adaptive.append(("adaptive oscillate", oscillate(c0, 0.5 * c0, 30.0, 60.0), {"load": "oscillate"}))
-                run_adaptive(bench, base, policy_doc, adaptive)
+                run_adaptive(bench, base, policy_doc, adaptive_runs(plan, c0, loads))
                 c0_again = getattr(args, "c0_each_repeat", False)  # never with --c0 (`Plan`)
                 c0_now = c0  # the C0 this repeat's loads come from (the first, unless measured again)
                 for k in range(2, plan.adaptive_repeats + 1):
@@ -1577,6 +1602,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--adaptive-repeats", type=int, default=1,
                     help="run adaptive @1.5x and @3x this many times, each repeat after C3 is measured again beside "
                     "it (unless --c3); per-repeat figures, their medians and the 3x classes pooled in 'repeats'")
+    ap.add_argument("--step-repeats", type=int, default=1,
+                    help="run the adaptive step profile this many times, each after a reset to level 0")
+    ap.add_argument("--step-only", action="store_true",
+                    help="of the adaptive runs, only the step profile(s): no 1.5x, 3x or oscillation")
     ap.add_argument("--c0-each-repeat", action="store_true",
                     help="with --adaptive-repeats: measure C0 again before each repeat too, and size its 1.5x and 3x "
                     "loads from it (default: the first C0 for every repeat)")

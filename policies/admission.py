@@ -144,7 +144,11 @@ The rule, and why:
   serve within the SLO; the derived policy (`policies.slo`) raises the level on it, so optional
   work is switched off before more core traffic is refused, and holds the level until the
   window has been free of refusals for the recover dwell. With nothing arriving the ratio is
-  0, so a level raised on it always recovers when the load is gone.
+  0, so a level raised on it always recovers when the load is gone. A refusal of the ramp
+  (below) counts only while all classes together arrive at least as fast as the door drains at
+  the ramp's cap (`AdmissionController.ramp_pressed`): the ramp refuses concurrency not measured
+  lately, and at the start of a load from calm a clump at half the capacity reached it and
+  raised level 2 on one refusal.
 
 Why not Netflix Gradient2/Vegas alone: they steer a concurrency limit from the ratio of a
 long-term (or minimum) RTT to the current one, which needs a stable no-load latency. An LLM
@@ -1389,10 +1393,13 @@ class AdmissionController:
                 self._refusals.add(now, refused=True)
             return Decision(True, criticality, "admitted", 200, self.predicted_e2e_s(cap - 1), cap,
                             deadline_at=now + self.e2e_s, preempt=preempt)
-        self._refusals.add(now, refused=True)
         reason: Reason = "saturated" if ahead >= self._caps[0] else "class_share_exhausted"
         limit: Limit = ("saturated" if reason == "saturated" else "share" if ahead >= self._caps[rank]
                         else "shut_out" if cap == 0 else "ramp" if cap < self._reserved(now)[rank] else "reserve")
+        # a refusal of the ramp tells the level of demand past capacity only while arrivals press
+        # the ramp (`ramp_pressed`); otherwise it is a decision that refused nothing the level
+        # could give back
+        self._refusals.add(now, refused=limit != "ramp" or self.ramp_pressed(cap, now))
         return Decision(False, criticality, reason, STATUS[reason], self.predicted_e2e_s(ahead), cap,
                         retry_after_s=self.retry_after_s(ahead, cap), limited_by=limit)
 
@@ -1591,6 +1598,29 @@ class AdmissionController:
         if step <= 0 or self.settings.reserve_quantile <= 0.0 or not self._arrivals[0].present(now):
             return None
         return max(RAMP_MIN, self.measured_reach(now) + step)
+
+    def ramp_pressed(self, cap: int, now: float) -> bool:
+        """Whether all classes together arrive (`ArrivalRate.fast_rate`) at least as fast as the
+        server completes requests with ``cap`` (a `ramp_limit`) in flight, ``cap / latency_s(cap)``:
+        then the ramp holds back demand that lasts, and its refusals count in ``refused_ratio``
+        (the level's earliest signal, `RefusalWindow`); below that a ramp refusal is a decision
+        that refused nothing for the level, as if it had admitted.
+
+        Why: the ramp refuses where the concurrency above has not been measured lately, not where
+        the service is measured short of capacity, and at the start of a load from calm it starts
+        at `RAMP_MIN`, which a clump of five arrivals at half the capacity passes. Counted as any
+        refusal, one such refusal read 5% (a window's `RefusalWindow.MIN_DECISIONS`) and raised
+        level 2 for a whole dwell: measured, the step profile's level rose in its 0.5 x C0 phase
+        in 14 of the 44 runs stored from 12-03 to 12-06, 12 of them on one refusal, those of
+        12-06 by the ramp (2 s SLO, AVX-512 Xeon; `bench/step_levels.py`), so its "level >= 1
+        within 2 s of the step up" measured nothing. The two such refusals of 12-06 whose
+        arrivals the polls kept came with the fast estimate at 0.63 and 0.20 of this drain rate;
+        after the step up to 3 x C0 the ramp's refusals came at 0.66 of it, then 1.01 half a
+        second later and 1.3-2.3 from there on. The fast estimate, not a lower bound on it
+        (`_arrive_at_least`): a lower bound would not count that second poll's refusals and
+        would delay the level another half second after a step."""
+        arriving = sum(a.fast_rate(now) for a in self._arrivals)
+        return arriving >= cap / self.predictor.latency_s(max(cap, 1))
 
     @property
     def ramp_step(self) -> int:

@@ -1683,6 +1683,39 @@ def test_the_ramp_holds_the_classes_below_critical_to_a_step_above_the_concurren
     assert off.ramp_limit(0.0) is None  # no room kept for critical work at all: nor this
 
 
+def test_a_ramp_refusal_counts_for_the_level_only_while_arrivals_press_the_ramp() -> None:
+    """`ramp_pressed`: a clump that reaches the ramp at a few requests a second refuses its last
+    arrival, but the refusal does not raise ``refused_ratio`` (measured: one such refusal raised
+    level 2 at half the capacity); once all classes together arrive at least as fast as the
+    door drains at the ramp's cap, its refusals count as any other. Other refusals count
+    whatever the arrivals."""
+    ctl = controller(settings_=RAMPING, slots=16)
+    ctl.decide(C, 0, 0.0)
+    for k in range(4):  # served at 3 in flight: the ramp admits the classes below critical to 6
+        ctl.observe_completion(1.0 + 0.1 * k, 0.6, 0.2)
+    at = 1.5
+    cap = ctl.ramp_limit(at)
+    assert cap == 6 and ctl.class_cap(S, at) == cap
+    drain = cap / ctl.predictor.latency_s(cap)
+    assert sum(a.fast_rate(at) for a in ctl._arrivals) < drain and not ctl.ramp_pressed(cap, at)
+    clump = ctl.decide(S, cap, at)
+    assert not clump.admitted and clump.limited_by == "ramp"
+    assert ctl.signals(cap, at)["refused_ratio"] == 0.0  # a decision, not a refusal, for the level
+    # demand that lasts: arrivals at twice that drain rate for two seconds (each admitted here)
+    _offer(ctl, {C: 0.4 * drain, S: 1.6 * drain}, at + 3.0, start=at + 1.0)
+    now = at + 3.0
+    assert ctl.ramp_limit(now) == cap and ctl.ramp_pressed(cap, now)
+    pressed = ctl.decide(S, cap, now)
+    assert not pressed.admitted and pressed.limited_by == "ramp"
+    decided = sum(b[1] for b in ctl._refusals._bins)
+    assert ctl.signals(cap, now)["refused_ratio"] == pytest.approx(1 / max(decided, 20), abs=1e-4)
+    # a refusal of the share counts at any rate of arrivals
+    quiet = controller(slots=8)
+    full = quiet.max_admitted(S)
+    assert quiet.decide(S, full, 1.0).limited_by == "share"
+    assert quiet.signals(full, 1.0)["refused_ratio"] == pytest.approx(1 / 20)
+
+
 @pytest.mark.parametrize(("slots", "step"), [(1, 1), (4, 1), (16, 3), (64, 13), (256, 51)])
 def test_unset_the_ramps_step_is_a_fifth_of_the_batch(slots: int, step: int) -> None:
     """Where the policy leaves ``admission.ramp_step`` unset, the step scales with this replica's

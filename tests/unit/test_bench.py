@@ -650,6 +650,28 @@ def test_c0_each_repeat_refuses_where_it_could_do_nothing(argv: list[str], messa
     overload.Plan(overload.build_parser().parse_args(["--c0-each-repeat", "--adaptive-repeats", "2"]))  # accepted
 
 
+def test_step_repeats_and_step_only_choose_the_adaptive_runs() -> None:
+    from bench import overload
+
+    def names(argv: list[str]) -> list[str]:
+        plan = overload.Plan(overload.build_parser().parse_args(argv))
+        return [name for name, _, _ in overload.adaptive_runs(plan, 8.0, {"1.5x": 12.0, "3x": 24.0})]
+
+    assert names([]) == ["adaptive @1.5x", "adaptive @1.5x standard", "adaptive @3x", "adaptive step",
+                         "adaptive oscillate"]
+    assert names(["--step-repeats", "3"]) == ["adaptive @1.5x", "adaptive @1.5x standard", "adaptive @3x",
+                                              "adaptive step", "adaptive step #2", "adaptive step #3",
+                                              "adaptive oscillate"]
+    assert names(["--step-only", "--step-repeats", "2"]) == ["adaptive step", "adaptive step #2"]
+    plan = overload.Plan(overload.build_parser().parse_args(["--step-only", "--step-repeats", "2"]))
+    runs = overload.adaptive_runs(plan, 8.0, {"1.5x": 12.0, "3x": 24.0})
+    assert [extra for _, _, extra in runs] == [{"load": "step"}, {"load": "step", "repeat": 2}]
+    for argv, message in ((["--step-repeats", "0"], "--step-repeats: 0"),
+                          (["--step-only", "--adaptive-repeats", "2"], "--step-only with --adaptive-repeats 2")):
+        with pytest.raises(SystemExit, match=message):
+            overload.Plan(overload.build_parser().parse_args(argv))
+
+
 def test_rel_diff_and_staged_probe_sizes() -> None:
     import argparse
 
