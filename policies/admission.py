@@ -1611,9 +1611,9 @@ class AdmissionController:
         at `RAMP_MIN`, which a clump of five arrivals at half the capacity passes. Counted as any
         refusal, one such refusal read 5% (a window's `RefusalWindow.MIN_DECISIONS`) and raised
         level 2 for a whole dwell: measured, the step profile's level rose in its 0.5 x C0 phase
-        in 14 of the 44 runs stored from 12-03 to 12-06, 12 of them on one refusal, those of
-        12-06 by the ramp (2 s SLO, AVX-512 Xeon; `bench/step_levels.py`), so its "level >= 1
-        within 2 s of the step up" measured nothing. The two such refusals of 12-06 whose
+        in 14 of the 44 runs stored from 12-03 to 12-06, 12 of them on one refusal; of the 8
+        step runs of 12-06 (2 s SLO, AVX-512 Xeon) in 3 on one refusal of the ramp
+        (`bench/step_levels.py`), where "level >= 1 within 2 s of the step up" measured nothing. The two such refusals of 12-06 whose
         arrivals the polls kept came with the fast estimate at 0.63 and 0.20 of this drain rate;
         after the step up to 3 x C0 the ramp's refusals came at 0.66 of it, then 1.01 half a
         second later and 1.3-2.3 from there on. The fast estimate, not a lower bound on it
