@@ -558,7 +558,7 @@ async def _one(client: Any, url: str, body: dict[str, Any], headers: dict[str, s
 ADMISSION_POLLED = ("in_flight", "waiting", "queued", "class_cap", "reserved", "rate_per_s", "base_latency_s",
                     "per_request_s", "latency_alone_s", "latency_floor_s", "wait_smoothing_s", "caps_held_s", "level_models_replaced",
                     "speed_shifts", "engine_slowdown", "slowdown_applied", "latency_tail", "tail_limit", "tail_holds",
-                    "measured_reach", "ramp_limit", "arrival_rate_per_s", "refused")
+                    "measured_reach", "ramp_limit", "ramp_pressed", "arrival_rate_per_s", "refused")
 
 
 async def _poll_levels(client: Any, admin_url: str, clock: Callable[[], float], out: list[dict[str, Any]],

@@ -460,6 +460,9 @@ class AdmissionGate:
             "arrival_rate_per_s": None if ctl is None else {
                 c: [round(long, 3), round(fast, 3)] for c, (long, fast) in ctl.arrival_rates(now).items()},
             "ramp_limit": None if ctl is None else ctl.ramp_limit(now),
+            # whether all classes arrive at least as fast as the door drains at that limit: only then
+            # do its refusals count in refused_ratio, the level's signal (`ramp_pressed`)
+            "ramp_pressed": None if ctl is None or ctl.ramp_limit(now) is None else ctl.ramp_pressed(ctl.ramp_limit(now), now),
             "ramp_step": None if ctl is None else ctl.ramp_step,
             "admitted": dict(self.admitted),
             "refused": {f"{c}:{r}": n for (c, r), n in sorted(self.refused.items())},

@@ -92,6 +92,7 @@ def test_while_critical_work_arrives_the_classes_below_ramp_into_load_not_measur
     assert state["ramp_limit"] == 4 and state["measured_reach"] == 1 and 1 <= state["ramp_step"] <= 3, state
     long_rate, fast_rate = state["arrival_rate_per_s"]["critical"]  # what arms the ramp, as the door reads it
     assert long_rate > 0.0 and fast_rate > 0.0, state["arrival_rate_per_s"]
+    assert state["ramp_pressed"] is False, state  # one arrival does not press it: its refusals would not count
     before = state["refused"]
     with cf.ThreadPoolExecutor(max_workers=8) as pool:
         held = [pool.submit(post, deployed, "standard", 240) for _ in range(4)]

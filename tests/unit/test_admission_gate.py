@@ -577,6 +577,9 @@ def test_the_ramp_refusal_names_itself_and_the_state_shows_it() -> None:
         "standard requests are admitted up to 3 requests above the load the service was measured at lately"
     ), err.value.message
     assert g.refused == {("standard", "class_share_exhausted"): 1}
+    # five arrivals at about 2.5/s (fast estimate) against 4 / 0.4 s drained at the ramp's cap: a
+    # clump, not demand past it; the 429 stands and is counted, the level's signal stays 0
+    assert g.state()["ramp_pressed"] is False and g.signals()["refused_ratio"] == 0.0
     clock.advance(0.8)
     for t in tickets:  # served together: four in flight over their lives
         g.release(t, served=True)
@@ -584,6 +587,14 @@ def test_the_ramp_refusal_names_itself_and_the_state_shows_it() -> None:
     assert [g.admit("standard") for _ in range(7)] and g.in_flight == 7
     with pytest.raises(RequestError, match="3 requests above the load"):  # the ramp again, one step up
         g.admit("standard")
+    assert g.signals()["refused_ratio"] == 0.0
+    # arrivals past what the door drains at the ramp's cap (7 / latency(7)) press it: its refusals count
+    drain = 7 / g.controller.predictor.latency_s(7)
+    for _ in range(round(drain)):
+        with pytest.raises(RequestError, match="above the load the service was measured at lately"):
+            g.admit("sheddable")
+    assert g.state()["ramp_pressed"] is True
+    assert g.signals()["refused_ratio"] > 0.0
 
 
 def test_the_ramp_refusal_says_the_configured_step() -> None:

@@ -449,7 +449,8 @@ def test_run_load_records_every_request_against_a_fake_server() -> None:
                                              "caps_held_s": None, "level_models_replaced": None, "speed_shifts": None,
                                              "engine_slowdown": None, "slowdown_applied": None,
                                              "latency_tail": None, "tail_limit": None, "tail_holds": None,
-                                             "measured_reach": None, "ramp_limit": None, "arrival_rate_per_s": None,
+                                             "measured_reach": None, "ramp_limit": None, "ramp_pressed": None,
+                                             "arrival_rate_per_s": None,
                                              "refused": None}
     doc = rep.run_report("fake", result, 2000.0)
     assert doc["admission"] and doc["admission"][0]["class_cap"] == {"critical": 5} and "t_s" in doc["admission"][0]
