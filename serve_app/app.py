@@ -9,10 +9,11 @@ naming it. Per-deployment Serve options (replicas, CPUs, ``max_ongoing_requests`
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from ray import serve
 from ray.serve import Application
 
@@ -25,6 +26,25 @@ from serve_app.ingress import Ingress, IngressLimits, PipelineSettings
 from serve_app.security import AuthSettings
 
 EMBEDDED_MODEL = "embedded:tiny"
+
+
+PUSH_INTERVAL_ENV = "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"
+
+
+def metric_push_interval_s() -> float:
+    """The interval at which model replicas push their queue to Serve's autoscaler: Serve's
+    ``RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S`` (10 s unset), as the process that
+    validates the config sees it (the cluster's processes inherit it from where it started)."""
+    raw = os.environ.get(PUSH_INTERVAL_ENV)
+    if raw is None:
+        return 10.0
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{PUSH_INTERVAL_ENV}={raw!r} is not a number of seconds") from None
+    if not value > 0:
+        raise ValueError(f"{PUSH_INTERVAL_ENV}={raw!r} must be > 0")
+    return value
 
 
 class ModelAutoscaling(BaseModel):
@@ -46,6 +66,18 @@ class ModelAutoscaling(BaseModel):
         default=15.0, gt=0, allow_inf_nan=False,
         description="the window Serve averages ongoing requests over; keep it above the interval at "
         "which replicas push their queue (RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S, 10 s)")
+
+    @field_validator("look_back_period_s")
+    @classmethod
+    def _above_the_push_interval(cls, v: float) -> float:
+        # Serve averages the queue the replicas push over this window; at or below the push
+        # interval it holds one push or none, and Serve itself says it will refuse that (it warns
+        # against its deprecated metrics_interval_s today, whatever interval is in force)
+        push = metric_push_interval_s()
+        if v <= push:
+            raise ValueError(f"look_back_period_s={v:g} must be above the interval at which the replicas push "
+                             f"their queue ({push:g} s, {PUSH_INTERVAL_ENV})")
+        return v
 
     @model_validator(mode="after")
     def _bounds(self) -> ModelAutoscaling:

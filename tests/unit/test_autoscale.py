@@ -243,15 +243,37 @@ def test_autoscaling_args_become_serves_autoscaling_config() -> None:
         ({"min_replicas": 3, "max_replicas": 2}, "max_replicas=2 must be >= min_replicas=3"),
         ({"max_replicas": 2, "min_replicas": 0}, "model.autoscaling.min_replicas"),
         ({"max_replicas": 2, "look_back_period_s": 0}, "model.autoscaling.look_back_period_s"),
+        # at or below the interval the replicas push their queue at (10 s unless the env says otherwise)
+        ({"max_replicas": 2, "look_back_period_s": 10}, "look_back_period_s=10 must be above the interval"),
         ({"max_replicas": 2, "upscale_delay": 1}, "upscale_delay"),
         ({}, "model.autoscaling.max_replicas"),
     ],
 )
-def test_bad_autoscaling_args_name_the_key(autoscaling: dict[str, Any], names: str) -> None:
-    from serve_app.app import BrownoutArgs
+def test_bad_autoscaling_args_name_the_key(autoscaling: dict[str, Any], names: str,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from serve_app.app import PUSH_INTERVAL_ENV, BrownoutArgs
+
+    monkeypatch.delenv(PUSH_INTERVAL_ENV, raising=False)  # the integration tests' conftest sets 1 s
 
     with pytest.raises(ValidationError, match=re.escape(names)):
         BrownoutArgs.model_validate({"model": {"autoscaling": autoscaling}})
+
+
+def test_the_look_back_window_is_checked_against_the_push_interval_in_force(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Serve compares ``look_back_period_s`` with its deprecated ``metrics_interval_s`` (10 s),
+    not with the interval the replicas push at; Brownout checks the one in force."""
+    from serve_app.app import PUSH_INTERVAL_ENV, BrownoutArgs
+
+    monkeypatch.delenv(PUSH_INTERVAL_ENV, raising=False)
+    with pytest.raises(ValidationError, match=re.escape("model.autoscaling.look_back_period_s")):
+        BrownoutArgs.model_validate({"model": {"autoscaling": {"max_replicas": 2, "look_back_period_s": 3}}})
+    assert BrownoutArgs.model_validate({"model": {"autoscaling": {"max_replicas": 2}}}).model.autoscaling
+    monkeypatch.setenv(PUSH_INTERVAL_ENV, "1")  # as the integration tests run the cluster
+    args = BrownoutArgs.model_validate({"model": {"autoscaling": {"max_replicas": 2, "look_back_period_s": 3}}})
+    assert args.model.autoscaling is not None and args.model.autoscaling.look_back_period_s == 3
+    monkeypatch.setenv(PUSH_INTERVAL_ENV, "soon")
+    with pytest.raises(ValidationError, match=re.escape(f"{PUSH_INTERVAL_ENV}='soon' is not a number of seconds")):
+        BrownoutArgs.model_validate({"model": {"autoscaling": {"max_replicas": 2, "look_back_period_s": 3}}})
 
 
 def test_policy_core_load_is_the_level_and_the_refused_share_of_the_last_tick() -> None:
