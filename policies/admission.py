@@ -1613,14 +1613,15 @@ class AdmissionController:
         level 2 for a whole dwell: measured, the step profile's level rose in its 0.5 x C0 phase
         in 14 of the 44 runs stored from 12-03 to 12-06, 12 of them on one refusal; of the 8
         step runs of 12-06 (2 s SLO, AVX-512 Xeon) in 3 on one refusal of the ramp
-        (`bench/step_levels.py`), where "level >= 1 within 2 s of the step up" measured nothing. The two such refusals of 12-06 whose
-        arrivals the polls kept came with the fast estimate at 0.63 and 0.20 of this drain rate;
+        (`bench/step_levels.py`), where "level >= 1 within 2 s of the step up" measured nothing.
+        The two such refusals of 12-06 whose arrivals the polls kept came with the fast estimate
+        at 0.63 and 0.20 of this drain rate;
         after the step up to 3 x C0 the ramp's refusals came at 0.66 of it, then 1.01 half a
         second later and 1.3-2.3 from there on. The fast estimate, not a lower bound on it
         (`_arrive_at_least`): a lower bound would not count that second poll's refusals and
         would delay the level another half second after a step."""
         arriving = sum(a.fast_rate(now) for a in self._arrivals)
-        return arriving >= cap / self.predictor.latency_s(max(cap, 1))
+        return arriving >= cap / self.predictor.latency_s(cap)
 
     @property
     def ramp_step(self) -> int:

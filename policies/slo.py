@@ -54,8 +54,8 @@ The rule, and why:
   window with fewer than 20 decisions counts as 20, so a lone refusal at low traffic reads 5%
   (level 2), not 50%; and a refusal of the door's ramp into unmeasured concurrency counts only
   while arrivals press it (`policies.admission.AdmissionController.ramp_pressed`), so a clump at
-  half the capacity just after calm raises nothing. It recovers below 0.5%: at a few requests per second, a window with no
-  refusal at all.
+  half the capacity just after calm raises nothing. It recovers below 0.5%: at a few requests
+  per second, a window with no refusal at all.
 - **Autoscaling: degrade while capacity is on its way.** Where the model deployment autoscales
   (`policies.autoscale`), ``model_replicas_pending`` counts the replicas the autoscaler asked for
   that do not serve yet. Level 1 triggers while any is pending and recovers (with its dwell)

@@ -413,6 +413,7 @@ class AdmissionGate:
         now = self._clock()
         # first: a level change's hold that has run out ends here, before the caps are read
         class_cap = None if ctl is None else {c.value: ctl.class_cap(c, now) for c in Criticality}
+        ramp = None if ctl is None else ctl.ramp_limit(now)
         return {
             "enabled": self.enabled,
             "in_flight": self.in_flight,
@@ -459,10 +460,10 @@ class AdmissionGate:
             # each class's arrivals per second, [long, fast] estimate (`arrival_rates`)
             "arrival_rate_per_s": None if ctl is None else {
                 c: [round(long, 3), round(fast, 3)] for c, (long, fast) in ctl.arrival_rates(now).items()},
-            "ramp_limit": None if ctl is None else ctl.ramp_limit(now),
+            "ramp_limit": ramp,
             # whether all classes arrive at least as fast as the door drains at that limit: only then
             # do its refusals count in refused_ratio, the level's signal (`ramp_pressed`)
-            "ramp_pressed": None if ctl is None or ctl.ramp_limit(now) is None else ctl.ramp_pressed(ctl.ramp_limit(now), now),
+            "ramp_pressed": None if ctl is None or ramp is None else ctl.ramp_pressed(ramp, now),
             "ramp_step": None if ctl is None else ctl.ramp_step,
             "admitted": dict(self.admitted),
             "refused": {f"{c}:{r}": n for (c, r), n in sorted(self.refused.items())},
