@@ -98,6 +98,12 @@ class EngineSettings(BaseModel):
         "off them, 'off' leaves placement to the OS, a CPU list ('1', '2-7') names the engine's "
         "CPUs. Ignored where the engine computes on a GPU.",
     )
+    stream_interval: int = Field(
+        default=1,
+        ge=1,
+        description="Tokens vLLM gathers into one streamed increment (its `--stream-interval`); "
+        "the first and the last are sent at once whatever it is. 1: every token as it comes.",
+    )
     scheduling_policy: Literal["priority", "fcfs"] = Field(
         default="priority",
         description="vLLM's scheduler: 'priority' starts waiting requests by their priority "
@@ -371,6 +377,7 @@ class LLMEngine:
             seed=s.seed,
             max_num_batched_tokens=s.max_num_batched_tokens,
             scheduling_policy=s.scheduling_policy,
+            stream_interval=s.stream_interval,
             # Only our stat logger: vLLM's own logging one is not needed.
             disable_log_stats=True,
         )
@@ -401,7 +408,7 @@ class LLMEngine:
 
     async def generate(
         self, prompt: str, sampling: Mapping[str, Any], request_id: str,
-        prompt_ids: Sequence[int] | None = None, priority: int = 0,
+        prompt_ids: Sequence[int] | None = None, priority: int = 0, stream_interval: int | None = None,
     ) -> AsyncIterator[Delta]:
         """Stream the completion of ``prompt`` as ``Delta`` increments.
 
@@ -412,6 +419,9 @@ class LLMEngine:
         ``request_id`` must be unique among in-flight requests. ``prompt_ids``: the prompt's
         token ids when the caller has already encoded it (`encode`), so it is tokenised once.
         ``priority``: under the ``priority`` scheduling policy a lower value starts first.
+        ``stream_interval``: this request's tokens per delta (vLLM raises the engine's
+        ``stream_interval`` to it, never lowers it; the first and the last delta come at once);
+        None: the engine's.
 
         If the consumer stops early (closes the generator, or its task is cancelled) the request
         is aborted in vLLM, so it frees its batch slot and KV cache at once, and it counts in
@@ -427,7 +437,8 @@ class LLMEngine:
         from vllm.sampling_params import RequestOutputKind
 
         try:
-            params = SamplingParams(**sampling, output_kind=RequestOutputKind.DELTA)
+            params = SamplingParams(**sampling, output_kind=RequestOutputKind.DELTA,
+                                    stream_interval=stream_interval)
         except (TypeError, ValueError, VLLMValidationError) as err:
             raise ValueError(f"invalid sampling arguments {dict(sampling)!r}: {err}") from err
         if params.n != 1:

@@ -171,8 +171,10 @@ class VLLMModel:
         text, ids = prompt
         sampling = {k: request[k] for k in SAMPLING_KEYS if request.get(k) is not None}
         request_id = request.get("request_id") or uuid.uuid4().hex
+        interval = request.get("stream_interval")  # set by the level's shaping (`policies.shaping`)
         stream = self.engine.generate(text, sampling, request_id, prompt_ids=ids,
-                                      priority=int(request.get("priority", 0)))
+                                      priority=int(request.get("priority", 0)),
+                                      stream_interval=None if interval is None else int(interval))
         try:
             first = await anext(stream)  # vLLM validates sampling before queueing anything
         except ValueError as err:

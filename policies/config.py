@@ -23,8 +23,9 @@ Rules, all checked at load time (validators do no I/O):
 - A feature disabled at level k is disabled at every level above k.
 - Request shaping (``shape`` per level) is inherited upward the same way: at level L the cap on
   ``max_tokens`` is the one of the highest level <= L that sets one, and the fields refused are
-  those refused at any level <= L. A cap may not grow with the level (a higher level never
-  shapes less); level 0 never shapes. The rule and why: `policies.shaping`.
+  those refused at any level <= L; a stream's increments (``stream_interval``) are those of the
+  highest level <= L that sets them. A cap may not grow with the level, nor an interval shrink
+  (a higher level never shapes less); level 0 never shapes. The rule and why: `policies.shaping`.
 
 Optional sections (all validated the same way):
 
@@ -141,6 +142,12 @@ class ShapeConfig(_Strict):
         description=f"fields refused at this level and above, answered with a 400 naming the "
         f"field and the level; any of {', '.join(REFUSABLE)}",
     )
+    stream_interval: int | None = Field(
+        default=None, ge=1, le=4096, strict=True,
+        description="a streamed answer's tokens are sent in increments of this many (the first "
+        "and the last at once), saving each hop's per-increment work; null: inherited from the "
+        "level below",
+    )
 
     @field_validator("refuse")
     @classmethod
@@ -178,7 +185,8 @@ class LevelConfig(_Strict):
     )
     shape: ShapeConfig = Field(
         default_factory=ShapeConfig,
-        description="request shaping from this level up: max_tokens cap, fields refused",
+        description="request shaping from this level up: max_tokens cap, fields refused, a "
+        "stream's increments",
     )
 
     @field_validator("trigger", "recover", mode="before")
@@ -539,6 +547,20 @@ class DegradationConfig(_Strict):
                             f"{lo_key}.shape.max_tokens: {lo.shape.max_tokens} "
                             "(a higher level never shapes less)"
                         )
+        # ... and a stream's increments never shrink with it
+        for lo_i, lo_key in enumerate(LEVEL_KEYS):
+            lo = getattr(self, lo_key)
+            if lo is None or lo.shape.stream_interval is None:
+                continue
+            for hi_key in LEVEL_KEYS[lo_i + 1 :]:
+                hi = getattr(self, hi_key)
+                if hi is not None and hi.shape.stream_interval is not None:
+                    if hi.shape.stream_interval < lo.shape.stream_interval:
+                        raise ValueError(
+                            f"{hi_key}.shape.stream_interval: {hi.shape.stream_interval} must not be "
+                            f"below {lo_key}.shape.stream_interval: {lo.shape.stream_interval} "
+                            "(a higher level never shapes less)"
+                        )
         # a critical feature may not be disabled, by a list or by off_at
         for name, off in self.off_levels().items():
             if off is not None and feat.is_critical(name):
@@ -593,9 +615,12 @@ class DegradationConfig(_Strict):
 
         ``max_tokens``: the cap of the highest level <= ``level`` that sets one (caps never grow
         with the level, so it is also the smallest); ``refuse``: every field refused at any level
-        <= ``level``, in `REFUSABLE` order. Level 0 (and any level below 1) never shapes.
+        <= ``level``, in `REFUSABLE` order; ``stream_interval``: that of the highest level <=
+        ``level`` that sets one (never shrinking with the level, so also the largest). Level 0
+        (and any level below 1) never shapes.
         """
         cap: int | None = None
+        interval: int | None = None
         refused: set[str] = set()
         for lv in range(1, min(level, len(LEVEL_KEYS)) + 1):
             lvl = self.level(lv)
@@ -603,8 +628,11 @@ class DegradationConfig(_Strict):
                 continue
             if lvl.shape.max_tokens is not None:
                 cap = lvl.shape.max_tokens
+            if lvl.shape.stream_interval is not None:
+                interval = lvl.shape.stream_interval
             refused.update(lvl.shape.refuse)
-        return ShapeConfig(max_tokens=cap, refuse=[f for f in REFUSABLE if f in refused])
+        return ShapeConfig(max_tokens=cap, refuse=[f for f in REFUSABLE if f in refused],
+                           stream_interval=interval)
 
     def off_mode(self, feature: str) -> OffMode:
         cfg = self.features.get(feature)

@@ -257,5 +257,6 @@ def build_app(args: BrownoutArgs) -> Application:
         spool_dir=str(Path(args.enrichments.data_dir).expanduser() / "spool"),
         auth=args.auth,
         model_slots=m.max_num_seqs,
+        stream_interval=m.stream_interval,
     )
     return ingress

@@ -75,7 +75,15 @@ from policies.config import DegradationConfig, PolicyError, parse_policy
 from policies.feature_cost import merge, rank
 from policies.service import start_view
 from policies.features import PolicyView
-from policies.shaping import NO_SHAPING, REQUEST_FIELDS, SHAPED_HEADER, TOKEN_CAP_FIELDS, ShapingPlan, shape
+from policies.shaping import (
+    NO_SHAPING,
+    REQUEST_FIELDS,
+    SHAPED_HEADER,
+    STREAM_FIELD,
+    TOKEN_CAP_FIELDS,
+    ShapingPlan,
+    shape,
+)
 from policies.slo import fit_policy
 from serve_app.admission import AdmissionGate, Ticket
 from serve_app.breaker import BreakerSettings
@@ -445,9 +453,11 @@ class Ingress:
         policy_link: ActorLink | None = None,
         reports: ReportLink | None = None,
         model_slots: int = 16,
+        stream_interval: int = 1,
     ) -> None:
         self.model = model
         self.model_slots = model_slots  # the engine's batch (max_num_seqs): admission and derived levels
+        self.stream_interval = stream_interval  # the engine's tokens per streamed increment, unshaped
         # deployment names, as report sources carry them (`replica_source`): <deployment>:<id>
         self.model_deployment = str(getattr(model, "deployment_name", "VLLMModel"))
         self.served_model_name = served_model_name
@@ -715,6 +725,7 @@ class Ingress:
         """Level-driven shaping (`policies.shaping`): cap tokens, refuse costly fields, say so."""
         fields = {n: getattr(body, n, None) for n in REQUEST_FIELDS if n not in TOKEN_CAP_FIELDS}
         fields[field] = max_tokens
+        fields[STREAM_FIELD] = self.stream_interval if body.stream else None
         shaped = shape(self.shaping, self.view.level, fields)
         if shaped.refusal is not None:
             r = shaped.refusal
@@ -722,11 +733,14 @@ class Ingress:
                                headers={SHAPED_HEADER: f"{r.field}=refused"})
         if shaped.header is not None:
             ctx.sampling = shaped.apply_to(ctx.sampling)
+            ctx.stream_interval = shaped.stream_interval
             ctx.headers_out[SHAPED_HEADER] = shaped.header
 
     def _model_request(self, ctx: RequestState, ticket: Ticket) -> dict[str, Any]:
         req = dict(ctx.sampling, request_id=ctx.request_id, priority=ticket.priority,
                    deadline_at=ticket.deadline_at)
+        if ctx.stream_interval is not None:
+            req["stream_interval"] = ctx.stream_interval
         if ctx.messages is not None:
             req["messages"] = ctx.messages
         else:

@@ -77,6 +77,9 @@ class RequestState:
     personal: bool = False  # a feature shaped the prompt for this user: the answer is theirs alone
     tags: dict[str, Any] = field(default_factory=dict)  # feature annotations, copied into the record
     headers_out: dict[str, str] = field(default_factory=dict)  # feature response headers
+    # a stream's tokens per increment, set by the level's shaping (None: the engine's own); not a
+    # sampling setting: it changes how the answer travels, not the answer
+    stream_interval: int | None = None
     bypassed: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     deferred: list[str] = field(default_factory=list)  # only once durable: X-Brownout-Deferred names them

@@ -307,6 +307,46 @@ def test_level_three_caps_max_tokens_and_says_so(deployed: Cluster, http: httpx.
         admin(http, "DELETE", params={"level": "true"})
 
 
+def _stream_events(http: httpx.Client, body: dict[str, Any]) -> tuple[httpx.Headers, list[dict[str, Any]]]:
+    """The response headers and every JSON event of a streamed chat completion, in order."""
+    import json
+
+    with http.stream("POST", CHAT, json=body) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return r.headers, [json.loads(line) for line in lines[:-1]]
+
+
+def test_level_three_streams_in_increments_of_eight_and_says_so(deployed: Cluster, http: httpx.Client) -> None:
+    """The shipped level 3 streams a 20-token answer as 1 + 8 + 8 + 3 tokens (vLLM's per-request
+    stream_interval: the first token and the last increment at once) and names the change; at
+    level 0 every token is its own event. A request that does not stream is not shaped for it."""
+    def body(stream: bool) -> dict[str, Any]:
+        return {"model": MODEL, "messages": [{"role": "user", "content": gibberish()}], "max_tokens": 20,
+                "ignore_eos": True, "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})}
+
+    def increments(events: list[dict[str, Any]]) -> int:  # events that carry model output (not the role, not usage)
+        return sum(1 for e in events if e["choices"] and "role" not in e["choices"][0]["delta"])
+
+    try:
+        admin(http, "POST", json={"level": 0, "ttl_s": 120, "note": "stream shaping test"})
+        wait_level(http, 0)
+        headers, events = _stream_events(http, body(True))
+        assert "X-Brownout-Shaped" not in headers
+        assert increments(events) == 20 and events[-1]["usage"]["completion_tokens"] == 20
+        admin(http, "POST", json={"level": 3, "ttl_s": 120, "note": "stream shaping test"})
+        wait_level(http, 3)
+        headers, events = _stream_events(http, body(True))
+        assert headers["X-Brownout-Shaped"] == "stream_interval=1->8"
+        assert increments(events) == 4 and events[-1]["usage"]["completion_tokens"] == 20
+        assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "length"
+        whole = http.post(CHAT, json=body(False))
+        assert whole.status_code == 200 and "X-Brownout-Shaped" not in whole.headers
+    finally:
+        admin(http, "DELETE", params={"level": "true"})
+
+
 def test_a_starved_engine_lowers_the_caps_at_once_and_they_come_back_when_it_ends(
         deployed: Cluster, http: httpx.Client, slo_policy: None) -> None:
     """The engine core is starved (stopped 90 ms in every 100 ms, by its PID) while one long

@@ -26,6 +26,7 @@ def shipped() -> dict:
     ({"model": {"model": "some/model"}}, r"model\.model\n.*Extra inputs are not permitted"),
     ({"model": {"dtype": "int3"}}, r"model\.dtype\n.*'auto', 'float32', 'bfloat16' or 'float16'"),
     ({"model": {"max_num_batched_tokens": 4}}, r"max_num_batched_tokens=4 is below max_num_seqs=16"),
+    ({"model": {"stream_interval": 0}}, r"model\.stream_interval\n.*greater than or equal to 1"),
     ({"limits": {"default_max_tokens": 600}}, r"default_max_tokens=600 exceeds max_tokens_limit=512"),
     ({"pipeline": {"stage_timeout_s": 0}}, r"pipeline\.stage_timeout_s\n.*greater than 0"),
     ({"modle": {}}, r"modle\n.*Extra inputs are not permitted"),

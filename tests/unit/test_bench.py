@@ -1042,3 +1042,56 @@ def test_onset_refuses_an_unknown_mode_naming_it(capsys: pytest.CaptureFixture[s
     with pytest.raises(SystemExit):
         main(["--rate", "5", "--onsets", "auto,pin9"])
     assert "--onsets 'auto,pin9'" in capsys.readouterr().err
+
+
+# -- bench/stream_shaping.py: the pure parts --------------------------------------------------------
+
+def test_stream_shaping_arms_differ_only_in_the_stream_interval() -> None:
+    from bench import stream_shaping as ss
+    from policies.config import load_policy
+
+    shipped = {"degradation": load_policy(ss.ROOT / "configs" / "degradation.yaml").model_dump(mode="json", exclude_none=True)}
+    plain = ss.without_stream_interval(shipped)
+    assert ss.expected_header(shipped) == "stream_interval=1->8" and ss.expected_header(plain) is None
+    assert ss.expected_header(shipped, level=2) == "stream_interval=1->4"
+    assert plain["degradation"]["level3"]["shape"] == {"max_tokens": 64, "refuse": ["n", "logprobs"]}
+    assert shipped["degradation"]["level3"]["shape"]["stream_interval"] == 8  # the input is not changed
+    plain["degradation"]["level2"]["shape"]["stream_interval"] = 4
+    plain["degradation"]["level3"]["shape"]["stream_interval"] = 8
+    assert plain == shipped
+
+
+def test_stream_shaping_counts_cpu_per_kind_and_per_request() -> None:
+    from bench import stream_shaping as ss
+
+    assert [ss.kind_of(c) for c in ("ray::ProxyActor", "ray::ServeReplica:brownout:Ingress",
+                                    "ray::ServeReplica:brownout:VLLMModel", "VLLM::EngineCore", "raylet")] == [
+        "proxy", "ingress", "model replica", "engine core", "other"]
+    before = {1: ("proxy", 1.0), 2: ("ingress", 2.0), 3: ("other", 0.5)}
+    after = {1: ("proxy", 1.5), 2: ("ingress", 3.0), 3: ("other", 0.75), 4: ("other", 9.0)}  # 4: new, left out
+    used = ss.cpu_used(before, after)
+    assert used == {"ingress": 1.0, "other": 0.25, "proxy": 0.5}
+    assert ss.per_request_ms(used, 100) == {"ingress": 10.0, "other": 2.5, "proxy": 5.0, "all": 17.5}
+    assert ss.per_request_ms(used, 0)["all"] is None
+
+
+def test_stream_shaping_summary_is_the_median_per_arm_and_the_ratio() -> None:
+    from bench import stream_shaping as ss
+
+    def run(arm: str, repeat: int, p50: float, cpu: float) -> dict:
+        return {"arm": arm, "rate_rps": 12.0, "repeat": repeat, "throughput_rps": 12.0,
+                "e2e_ms": {"p50": p50, "p99": 2 * p50}, "ttft_ms": {"p50": 100.0, "p99": 200.0},
+                "cpu_ms_per_request": {"ingress": cpu, "all": 4 * cpu}}
+
+    runs = [run("increments", 1, 600, 10), run("token by token", 1, 800, 16),
+            run("token by token", 2, 700, 14), run("increments", 2, 500, 8)]
+    row = ss.summarise(runs)["12 req/s"]
+    assert row["increments"]["e2e p50 ms"] == 550 and row["token by token"]["e2e p50 ms"] == 750
+    ratio = row["increments / token by token"]
+    assert ratio["e2e p50 ms"] == round(550 / 750, 3) and ratio["ttft p50 ms"] == 1.0
+    assert ratio["cpu ms per request"] == {"all": 0.6, "ingress": 0.6}
+    assert ss.parse_rates("12, 15") == [12.0, 15.0]
+    with pytest.raises(SystemExit, match="--rates 'a'"):
+        ss.parse_rates("a")
+    with pytest.raises(SystemExit, match="must be > 0"):
+        ss.parse_rates("12,0")

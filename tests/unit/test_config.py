@@ -382,6 +382,7 @@ def test_default_yaml_shapes_levels_2_and_3() -> None:
     assert cfg.shape_at(0).max_tokens is None and cfg.shape_at(1).max_tokens is None
     assert cfg.shape_at(2).max_tokens == 128 and cfg.shape_at(2).refuse == []
     assert cfg.shape_at(3).max_tokens == 64 and cfg.shape_at(3).refuse == ["n", "logprobs"]
+    assert [cfg.shape_at(lv).stream_interval for lv in range(4)] == [None, None, 4, 8]
 
 
 @pytest.mark.parametrize(
@@ -407,6 +408,14 @@ def test_default_yaml_shapes_levels_2_and_3() -> None:
          r"\(a higher level never shapes less\)"),
         ({"level1": {"shape": {"max_tokens": 32}}, "level3": {"shape": {"max_tokens": 33}}},
          r"level3\.shape\.max_tokens: 33 must not exceed level1\.shape\.max_tokens: 32"),
+        ({"level2": {"shape": {"stream_interval": 0}}},
+         r"level2\.shape\.stream_interval: .*greater than or equal to 1.*\(got 0\)"),
+        ({"level2": {"shape": {"stream_interval": "8"}}}, r"level2\.shape\.stream_interval: .*\(got '8'\)"),
+        ({"level2": {"shape": {"stream_interval": 5000}}},
+         r"level2\.shape\.stream_interval: .*less than or equal to 4096.*\(got 5000\)"),
+        ({"level2": {"shape": {"stream_interval": 8}}, "level3": {"shape": {"stream_interval": 4}}},
+         r"level3\.shape\.stream_interval: 4 must not be below level2\.shape\.stream_interval: 8 "
+         r"\(a higher level never shapes less\)"),
     ],
 )
 def test_bad_shape_is_rejected_naming_key_value_and_choices(doc: dict, pattern: str) -> None:
@@ -417,3 +426,5 @@ def test_bad_shape_is_rejected_naming_key_value_and_choices(doc: dict, pattern: 
 def test_equal_caps_at_consecutive_levels_are_allowed() -> None:
     cfg = parse_policy({"level2": {"shape": {"max_tokens": 64}}, "level3": {"shape": {"max_tokens": 64}}})
     assert cfg.shape_at(3).max_tokens == 64
+    cfg = parse_policy({"level2": {"shape": {"stream_interval": 4}}, "level3": {"shape": {"stream_interval": 4}}})
+    assert cfg.shape_at(3).stream_interval == 4

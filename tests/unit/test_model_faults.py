@@ -21,6 +21,7 @@ class StubEngine:
     def __init__(self, fail_after: int | None, error: EngineError) -> None:
         self.fail_after, self.error = fail_after, error
         self.dead = False
+        self.stream_intervals: list[int | None] = []  # per generate call: what the model passed
 
     @property
     def errored(self) -> bool:
@@ -40,7 +41,8 @@ class StubEngine:
         return 2.5  # `LLMEngine.slowdown`: what the ingress's door predicts with
 
     async def generate(self, prompt: str, sampling: Any, request_id: str, prompt_ids: Any = None,
-                       priority: int = 0) -> AsyncIterator[Delta]:
+                       priority: int = 0, stream_interval: int | None = None) -> AsyncIterator[Delta]:
+        self.stream_intervals.append(stream_interval)
         for i in range(3):
             if self.fail_after is not None and i >= self.fail_after:
                 self.dead = self.error.dead
@@ -49,8 +51,13 @@ class StubEngine:
                         finish_reason="length" if i == 2 else None)
 
 
+class _Bare(VLLMModel):
+    def __del__(self) -> None:  # Serve's async __del__ stops what __init__ started: nothing here
+        pass
+
+
 def model(engine: StubEngine) -> VLLMModel:
-    m = object.__new__(VLLMModel)  # no Serve, no reporter: only the request path
+    m = object.__new__(_Bare)  # no Serve, no reporter: only the request path
     m.settings = EngineSettings(model="stub")
     m.served_model_name, m.max_prompt_tokens = "stub", 100
     m.engine, m.dropped_late, m.engine_failures = engine, 0, 0  # type: ignore[assignment]
@@ -95,3 +102,16 @@ def test_health_asks_the_engine() -> None:
     assert asyncio.run(m.health())["ok"] is False
     with pytest.raises(EngineError):
         asyncio.run(m.check_health())  # Serve sees the replica unhealthy and replaces it
+
+
+def test_the_shaped_stream_interval_reaches_the_engine_and_none_leaves_it_the_engines() -> None:
+    engine = StubEngine(None, DEAD)
+    m = model(engine)
+    asyncio.run(events(m))
+    got = asyncio.run(_collect(m.generate_stream({"prompt": "a b", "max_tokens": 3, "stream_interval": 8})))
+    assert [type(e) for e in got] == [Started, Delta, Delta, Delta]
+    assert engine.stream_intervals == [None, 8]
+
+
+async def _collect(stream: AsyncIterator[Any]) -> list[Any]:
+    return [e async for e in stream]

@@ -16,6 +16,7 @@ from policies.shaping import (
     REFUSED_FIELDS,
     REQUEST_FIELDS,
     SHAPED_HEADER,
+    STREAM_FIELD,
     UNSHAPED,
     Change,
     ShapingPlan,
@@ -100,6 +101,49 @@ def test_refuse_table(name: str, level: int, fields: dict[str, Any], field: str,
     assert re.search(text, r.message), (name, r.message)
 
 
+# level 2 streams in fours, level 3 in eights and caps at 64
+STREAMED = ShapingPlan.from_config(parse_policy({
+    "level1": {"trigger": {"queue_length": 4}},
+    "level2": {"trigger": {"queue_length": 8}, "shape": {"stream_interval": 4}},
+    "level3": {"trigger": {"queue_length": 12},
+               "shape": {"max_tokens": 64, "refuse": ["logprobs"], "stream_interval": 8}},
+}))
+
+
+@pytest.mark.parametrize(
+    "name, level, fields, header, interval",
+    [
+        ("level 0 never shapes a stream", 0, {STREAM_FIELD: 1}, None, None),
+        ("a level without it leaves a stream alone", 1, {STREAM_FIELD: 1}, None, None),
+        ("a stream at level 2 goes in fours", 2, {"max_tokens": 16, STREAM_FIELD: 1}, "stream_interval=1->4", 4),
+        ("at level 3 in eights, beside the cap", 3, {"max_tokens": 300, STREAM_FIELD: 1},
+         "max_tokens=300->64, stream_interval=1->8", 8),
+        ("a request that does not stream is untouched", 3, {"max_tokens": 16, STREAM_FIELD: None}, None, None),
+        ("... nor one that says nothing of streaming", 2, {"max_tokens": 16}, None, None),
+        ("an engine already at the level's interval", 2, {STREAM_FIELD: 4}, None, None),
+        ("an engine above it is never lowered", 2, {STREAM_FIELD: 16}, None, None),
+        ("an engine below it is raised", 3, {STREAM_FIELD: 4}, "stream_interval=4->8", 8),
+    ],
+)
+def test_stream_interval_table(name: str, level: int, fields: dict[str, Any], header: str | None,
+                               interval: int | None) -> None:
+    shaped = shape(STREAMED, level, fields)
+    assert shaped.refusal is None, name
+    assert shaped.header == header, name
+    assert shaped.stream_interval == interval, name
+    if header is None:
+        assert shaped is UNSHAPED
+
+
+def test_the_stream_interval_is_not_a_sampling_setting_and_a_refusal_wins() -> None:
+    shaped = shape(STREAMED, 3, {"max_tokens": 300, STREAM_FIELD: 1})
+    # the semantic cache scopes by the sampling settings: the increments do not change the answer
+    assert shaped.apply_to({"max_tokens": 300, "temperature": 0.0}) == {"max_tokens": 64, "temperature": 0.0}
+    assert shaped.updates == {"max_tokens": 64, STREAM_FIELD: 8}
+    refused = shape(STREAMED, 3, {"logprobs": True, STREAM_FIELD: 1})
+    assert refused.refusal is not None and refused.changes == () and refused.stream_interval is None
+
+
 def test_inheritance_across_levels() -> None:
     """A cap or a refusal set at level k holds at every level above k, unless tightened."""
     plan = ShapingPlan.from_config(parse_policy({
@@ -120,6 +164,12 @@ def test_inheritance_across_a_missing_level() -> None:
         "level3": {"trigger": {"queue_length": 12}},
     }))
     assert [plan.at(lv).max_tokens for lv in range(4)] == [None, 100, 100, 100]
+    plan = ShapingPlan.from_config(parse_policy({
+        "level1": {"trigger": {"queue_length": 4}, "shape": {"stream_interval": 2}},
+        "level2": {"trigger": {"queue_length": 8}, "shape": {"max_tokens": 50}},
+        "level3": {"trigger": {"queue_length": 12}},
+    }))
+    assert [plan.at(lv).stream_interval for lv in range(4)] == [None, 2, 2, 2]
 
 
 def test_no_policy_shaping_and_no_plan_shape_nothing() -> None:
@@ -150,10 +200,11 @@ def test_refused_fields_cover_the_config_choices_and_are_read() -> None:
 
 
 def test_default_policy_shapes_as_documented() -> None:
-    """Level 2 caps at 128, level 3 at 64 (= limits.default_max_tokens) and refuses n, logprobs."""
+    """Level 2 caps at 128 and streams in fours, level 3 caps at 64 (= limits.default_max_tokens),
+    refuses n, logprobs and streams in eights."""
     plan = ShapingPlan.from_config(load_policy(ROOT / "configs" / "degradation.yaml"))
-    assert [(plan.at(lv).max_tokens, plan.at(lv).refuse) for lv in range(4)] == [
-        (None, ()), (None, ()), (128, ()), (64, ("n", "logprobs")),
+    assert [(plan.at(lv).max_tokens, plan.at(lv).refuse, plan.at(lv).stream_interval) for lv in range(4)] == [
+        (None, (), None), (None, (), None), (128, (), 4), (64, ("n", "logprobs"), 8),
     ]
     default_max_tokens, max_tokens_limit = 64, 512  # serve_config.yaml limits
     for level in range(4):  # a request that asks for nothing is never shortened
@@ -166,6 +217,7 @@ def test_derived_policy_keeps_the_shaping_and_round_trips() -> None:
     doc["slo"] = {"e2e_p99_ms": 2000}
     cfg = derive_policy(parse_policy(doc), max_num_seqs=16)
     assert cfg.shape_at(3).max_tokens == 64 and cfg.shape_at(2).max_tokens == 128
+    assert (cfg.shape_at(2).stream_interval, cfg.shape_at(3).stream_interval) == (4, 8)
     assert parse_policy(cfg.model_dump(mode="json")) == cfg  # through the actor's store
 
 
@@ -178,15 +230,20 @@ refusals = st.lists(st.sampled_from(REFUSABLE), unique=True, max_size=len(REFUSA
 @st.composite
 def policies(draw: st.DrawFn) -> Any:
     doc: dict[str, Any] = {}
-    ceiling = 10**6
+    ceiling, floor = 10**6, 1
     for lv in (1, 2, 3):
         if draw(st.booleans()):
             cap = draw(caps)
             if cap is not None:
                 cap = min(cap, ceiling)  # valid configs only: caps never grow with the level
                 ceiling = cap
+            interval = draw(st.one_of(st.none(), st.integers(1, 32)))
+            if interval is not None:
+                interval = max(interval, floor)  # ... nor increments shrink
+                floor = interval
             doc[f"level{lv}"] = {"trigger": {"queue_length": 4 * lv},
-                                 "shape": {"max_tokens": cap, "refuse": draw(refusals)}}
+                                 "shape": {"max_tokens": cap, "refuse": draw(refusals),
+                                           "stream_interval": interval}}
     return parse_policy(doc)
 
 
@@ -199,6 +256,7 @@ requests = st.fixed_dictionaries({}, optional={
     "logprobs": st.one_of(st.none(), st.booleans(), st.integers(0, 5)),
     "top_logprobs": st.one_of(st.none(), st.integers(0, 5)),
     "prompt_logprobs": st.one_of(st.none(), st.integers(0, 5)),
+    STREAM_FIELD: st.one_of(st.none(), st.integers(1, 16)),
 })
 
 
@@ -212,7 +270,10 @@ def test_a_higher_level_never_shapes_less(policy: Any, fields: dict[str, Any]) -
             assert hi.refusal is not None  # refused at k: refused above k
         elif hi.refusal is None:
             for field, value in lo.updates.items():
-                assert hi.updates.get(field, fields[field]) <= value
+                if field == STREAM_FIELD:  # larger increments are more shaping
+                    assert hi.updates.get(field, fields[field]) >= value
+                else:
+                    assert hi.updates.get(field, fields[field]) <= value
             assert set(lo.updates) <= set(hi.updates)
 
 
@@ -221,10 +282,15 @@ def test_shaping_only_lowers_and_reports_every_change(
     policy: Any, fields: dict[str, Any], level: int
 ) -> None:
     shaped = shape(ShapingPlan.from_config(policy), level, fields)
-    cap = policy.shape_at(level).max_tokens
+    cap, interval = policy.shape_at(level).max_tokens, policy.shape_at(level).stream_interval
     for change in shaped.changes:
-        assert change.after == cap < change.before == fields[change.field]
+        if change.field == STREAM_FIELD:  # a stream's increments only grow, to the level's
+            assert change.after == interval > change.before == fields[STREAM_FIELD]
+        else:
+            assert change.after == cap < change.before == fields[change.field]
         assert str(change) in (shaped.header or "")
+    if shaped.refusal is None and fields.get(STREAM_FIELD) is not None and interval is not None:
+        assert (shaped.stream_interval or fields[STREAM_FIELD]) == max(interval, fields[STREAM_FIELD])
     if shaped.refusal is None and cap is not None:
         after = {**fields, **shaped.updates}
         capped = ("max_tokens", "max_completion_tokens", "min_tokens")
