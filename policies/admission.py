@@ -145,10 +145,11 @@ The rule, and why:
   work is switched off before more core traffic is refused, and holds the level until the
   window has been free of refusals for the recover dwell. With nothing arriving the ratio is
   0, so a level raised on it always recovers when the load is gone. A refusal of the ramp
-  (below) counts only while all classes together arrive at least as fast as the door drains at
-  the ramp's cap (`AdmissionController.ramp_pressed`): the ramp refuses concurrency not measured
+  (below), and a waiting request displaced where the ramp filled the door (preemption, below),
+  count only while all classes together arrive at least as fast as the door drains at the
+  ramp's cap (`AdmissionController.ramp_pressed`): the ramp refuses concurrency not measured
   lately, and at the start of a load from calm a clump at half the capacity reached it and
-  raised level 2 on one refusal.
+  raised level 2 on one refusal (on 12-06 also on two displaced sheddable requests).
 
 Why not Netflix Gradient2/Vegas alone: they steer a concurrency limit from the ratio of a
 long-term (or minimum) RTT to the current one, which needs a stable no-load latency. An LLM
@@ -1386,20 +1387,21 @@ class AdmissionController:
             self._refusals.add(now, refused=False)
             return Decision(True, criticality, "admitted", 200, self.predicted_e2e_s(ahead), cap,
                             deadline_at=now + self.e2e_s)
+        reason: Reason = "saturated" if ahead >= self._caps[0] else "class_share_exhausted"
+        limit: Limit = ("saturated" if reason == "saturated" else "share" if ahead >= self._caps[rank]
+                        else "shut_out" if cap == 0 else "ramp" if cap < self._reserved(now)[rank] else "reserve")
+        # a door full at the ramp tells the level of demand past capacity only while arrivals
+        # press the ramp (`ramp_pressed`); otherwise its refusal, or the waiting requests it
+        # displaces, are decisions that refused nothing the level could give back
+        counted = limit != "ramp" or self.ramp_pressed(cap, now)
         preempt = ahead - cap + 1
         if self.settings.preempt_waiting and 0 < preempt <= min(preemptible, ahead):
             self._refusals.add(now, refused=False)
             for _ in range(preempt):  # each displaced request is a refusal for capacity
-                self._refusals.add(now, refused=True)
+                self._refusals.add(now, refused=counted)
             return Decision(True, criticality, "admitted", 200, self.predicted_e2e_s(cap - 1), cap,
                             deadline_at=now + self.e2e_s, preempt=preempt)
-        reason: Reason = "saturated" if ahead >= self._caps[0] else "class_share_exhausted"
-        limit: Limit = ("saturated" if reason == "saturated" else "share" if ahead >= self._caps[rank]
-                        else "shut_out" if cap == 0 else "ramp" if cap < self._reserved(now)[rank] else "reserve")
-        # a refusal of the ramp tells the level of demand past capacity only while arrivals press
-        # the ramp (`ramp_pressed`); otherwise it is a decision that refused nothing the level
-        # could give back
-        self._refusals.add(now, refused=limit != "ramp" or self.ramp_pressed(cap, now))
+        self._refusals.add(now, refused=counted)
         return Decision(False, criticality, reason, STATUS[reason], self.predicted_e2e_s(ahead), cap,
                         retry_after_s=self.retry_after_s(ahead, cap), limited_by=limit)
 

@@ -26,9 +26,10 @@ The rule, and why:
   as any capped completion does, so clients already handle it.
 - **Stream in larger increments: token-by-token streaming is optional work.** Each increment of
   a streamed answer is one item through every hop (the engine's output processor, the model
-  replica's stream to the ingress, one SSE event, the proxy's ASGI message), about 1.6 ms of CPU
-  per token across them on a 2-core machine, a quarter of a 16-token request's CPU at level 3
-  outside the engine. At a level with ``stream_interval: k`` a streamed request's tokens come
+  replica's stream to the ingress, one SSE event, the proxy's ASGI message). In increments of 8
+  those three processes spent 30-37% less CPU per 16-token request at level 3 on a 2-core
+  machine, and latency fell with it (`bench/stream_shaping.py`, bench/RESULTS.md); the engine's
+  own work is the same. At a level with ``stream_interval: k`` a streamed request's tokens come
   in increments of k (vLLM's per-request ``SamplingParams.stream_interval``): the first token
   and the last increment are still sent the moment they exist, so neither the time to the
   first token nor the end-to-end latency grows; only the text between them arrives in fewer,

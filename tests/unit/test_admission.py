@@ -1716,6 +1716,37 @@ def test_a_ramp_refusal_counts_for_the_level_only_while_arrivals_press_the_ramp(
     assert quiet.signals(full, 1.0)["refused_ratio"] == pytest.approx(1 / 20)
 
 
+def test_a_request_displaced_where_the_ramp_filled_the_door_counts_only_while_arrivals_press_it() -> None:
+    """Preemption at a door the ramp filled: a standard request takes the place of a waiting
+    sheddable one (which is refused, 429 ``preempted``). Measured on 12-06: at half the capacity
+    two such displacements read as refusals raised the level in the step profile's 0.5 x phase.
+    Like the ramp's own refusals they count for the level only while arrivals press the ramp;
+    a displacement where the class's share filled the door counts at any rate."""
+    ctl = controller(settings_=RAMPING, slots=16)
+    ctl.decide(C, 0, 0.0)
+    for k in range(4):  # served at 3 in flight: the ramp admits the classes below critical to 6
+        ctl.observe_completion(1.0 + 0.1 * k, 0.6, 0.2)
+    at = 1.5
+    cap = ctl.ramp_limit(at)
+    assert ctl.class_cap(S, at) == cap and not ctl.ramp_pressed(cap, at)
+    clump = ctl.decide(S, cap, at, preemptible=1)
+    assert clump.admitted and clump.preempt == 1
+    assert ctl.signals(cap, at)["refused_ratio"] == 0.0
+    _offer(ctl, {C: 0.4 * cap / ctl.predictor.latency_s(cap), S: 1.6 * cap / ctl.predictor.latency_s(cap)},
+           at + 3.0, start=at + 1.0)
+    now = at + 3.0
+    assert ctl.ramp_limit(now) == cap and ctl.ramp_pressed(cap, now)
+    pressed = ctl.decide(S, cap, now, preemptible=1)
+    assert pressed.admitted and pressed.preempt == 1
+    decided = sum(b[1] for b in ctl._refusals._bins)
+    assert ctl.signals(cap, now)["refused_ratio"] == pytest.approx(1 / max(decided, 20), abs=1e-4)
+    # at the class's share (no ramp), a displacement counts whatever the arrivals
+    quiet = controller(slots=8)
+    full = quiet.max_admitted(S)
+    assert quiet.decide(S, full, 1.0, preemptible=1).preempt == 1
+    assert quiet.signals(full, 1.0)["refused_ratio"] == pytest.approx(1 / 20)
+
+
 @pytest.mark.parametrize(("slots", "step"), [(1, 1), (4, 1), (16, 3), (64, 13), (256, 51)])
 def test_unset_the_ramps_step_is_a_fifth_of_the_batch(slots: int, step: int) -> None:
     """Where the policy leaves ``admission.ramp_step`` unset, the step scales with this replica's
