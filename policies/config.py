@@ -533,32 +533,20 @@ class DegradationConfig(_Strict):
                             f"{hi_key}.trigger.{name}: {value} must be above "
                             f"{lo_key}.trigger.{name}: {lo.trigger[name]} (levels ascend)"
                         )
-        # shaping never loosens with the level: a cap at a higher level is at most a lower one's
-        for lo_i, lo_key in enumerate(LEVEL_KEYS):
-            lo = getattr(self, lo_key)
-            if lo is None or lo.shape.max_tokens is None:
-                continue
-            for hi_key in LEVEL_KEYS[lo_i + 1 :]:
-                hi = getattr(self, hi_key)
-                if hi is not None and hi.shape.max_tokens is not None:
-                    if hi.shape.max_tokens > lo.shape.max_tokens:
+        # shaping never loosens with the level: a cap at a higher level is at most a lower one's,
+        # a stream's increments at least
+        for name, grows, verb in (("max_tokens", False, "exceed"), ("stream_interval", True, "be below")):
+            for lo_i, lo_key in enumerate(LEVEL_KEYS):
+                lo = getattr(self, lo_key)
+                low = None if lo is None else getattr(lo.shape, name)
+                if low is None:
+                    continue
+                for hi_key in LEVEL_KEYS[lo_i + 1 :]:
+                    hi = getattr(self, hi_key)
+                    high = None if hi is None else getattr(hi.shape, name)
+                    if high is not None and (high < low if grows else high > low):
                         raise ValueError(
-                            f"{hi_key}.shape.max_tokens: {hi.shape.max_tokens} must not exceed "
-                            f"{lo_key}.shape.max_tokens: {lo.shape.max_tokens} "
-                            "(a higher level never shapes less)"
-                        )
-        # ... and a stream's increments never shrink with it
-        for lo_i, lo_key in enumerate(LEVEL_KEYS):
-            lo = getattr(self, lo_key)
-            if lo is None or lo.shape.stream_interval is None:
-                continue
-            for hi_key in LEVEL_KEYS[lo_i + 1 :]:
-                hi = getattr(self, hi_key)
-                if hi is not None and hi.shape.stream_interval is not None:
-                    if hi.shape.stream_interval < lo.shape.stream_interval:
-                        raise ValueError(
-                            f"{hi_key}.shape.stream_interval: {hi.shape.stream_interval} must not be "
-                            f"below {lo_key}.shape.stream_interval: {lo.shape.stream_interval} "
+                            f"{hi_key}.shape.{name}: {high} must not {verb} {lo_key}.shape.{name}: {low} "
                             "(a higher level never shapes less)"
                         )
         # a critical feature may not be disabled, by a list or by off_at

@@ -1683,19 +1683,26 @@ def test_the_ramp_holds_the_classes_below_critical_to_a_step_above_the_concurren
     assert off.ramp_limit(0.0) is None  # no room kept for critical work at all: nor this
 
 
+def _ramped_to_six() -> tuple[AdmissionController, float, int]:
+    """A door that served 3 in flight after critical work arrived: the ramp admits the classes
+    below critical to 6 (the controller, the time, that cap)."""
+    ctl = controller(settings_=RAMPING, slots=16)
+    ctl.decide(C, 0, 0.0)
+    for k in range(4):
+        ctl.observe_completion(1.0 + 0.1 * k, 0.6, 0.2)
+    at = 1.5
+    cap = ctl.ramp_limit(at)
+    assert cap == 6 and ctl.class_cap(S, at) == cap
+    return ctl, at, cap
+
+
 def test_a_ramp_refusal_counts_for_the_level_only_while_arrivals_press_the_ramp() -> None:
     """`ramp_pressed`: a clump that reaches the ramp at a few requests a second refuses its last
     arrival, but the refusal does not raise ``refused_ratio`` (measured: one such refusal raised
     level 2 at half the capacity); once all classes together arrive at least as fast as the
     door drains at the ramp's cap, its refusals count as any other. Other refusals count
     whatever the arrivals."""
-    ctl = controller(settings_=RAMPING, slots=16)
-    ctl.decide(C, 0, 0.0)
-    for k in range(4):  # served at 3 in flight: the ramp admits the classes below critical to 6
-        ctl.observe_completion(1.0 + 0.1 * k, 0.6, 0.2)
-    at = 1.5
-    cap = ctl.ramp_limit(at)
-    assert cap == 6 and ctl.class_cap(S, at) == cap
+    ctl, at, cap = _ramped_to_six()
     drain = cap / ctl.predictor.latency_s(cap)
     assert sum(a.fast_rate(at) for a in ctl._arrivals) < drain and not ctl.ramp_pressed(cap, at)
     clump = ctl.decide(S, cap, at)
@@ -1722,13 +1729,8 @@ def test_a_request_displaced_where_the_ramp_filled_the_door_counts_only_while_ar
     two such displacements read as refusals raised the level in the step profile's 0.5 x phase.
     Like the ramp's own refusals they count for the level only while arrivals press the ramp;
     a displacement where the class's share filled the door counts at any rate."""
-    ctl = controller(settings_=RAMPING, slots=16)
-    ctl.decide(C, 0, 0.0)
-    for k in range(4):  # served at 3 in flight: the ramp admits the classes below critical to 6
-        ctl.observe_completion(1.0 + 0.1 * k, 0.6, 0.2)
-    at = 1.5
-    cap = ctl.ramp_limit(at)
-    assert ctl.class_cap(S, at) == cap and not ctl.ramp_pressed(cap, at)
+    ctl, at, cap = _ramped_to_six()
+    assert not ctl.ramp_pressed(cap, at)
     clump = ctl.decide(S, cap, at, preemptible=1)
     assert clump.admitted and clump.preempt == 1
     assert ctl.signals(cap, at)["refused_ratio"] == 0.0
