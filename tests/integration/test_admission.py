@@ -258,7 +258,7 @@ def test_a_critical_request_at_the_full_door_gets_the_next_freed_slot(
             waiter = pool.submit(post, deployed, None, 8)
             deadline = time.monotonic() + 20
             while admission_state(http)["queued"] < 1:
-                assert time.monotonic() < deadline and not waiter.done(), admission_state(http)
+                assert time.monotonic() < deadline and not waiter.done(), (admission_state(http), waiter.done() and (waiter.result().status_code, waiter.result().text[:300]))
                 time.sleep(0.02)
             # ...and no request of a lower class gets past it meanwhile
             refused(deployed, "standard", 503)
