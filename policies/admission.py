@@ -969,6 +969,18 @@ class ArrivalRate:
     def peak(self, now: float) -> float:
         return max(self.rate(now), self.fast_rate(now))
 
+    def retune(self, tau_s: float) -> None:
+        """Take a new time constant (a reloaded ``reserve_window_s``) keeping both estimates: the
+        decayed counts are rescaled by ``new / old``, so ``rate`` and ``fast_rate`` read the same
+        just after as just before. Kept as they were, a count gathered over 60 s read over 10 s
+        was a six-fold arrival rate out of nothing, which shut classes out (saturated) at once.
+        The time since the last reading then decays at the new constant."""
+        if tau_s != self.tau_s:
+            scale = tau_s / self.tau_s
+            self._count *= scale
+            self._fast *= scale
+            self.tau_s = tau_s
+
     def weight(self, now: float) -> float:
         """The arrivals the long estimate still counts (``rate * tau_s``): each 1 when it came,
         fading with ``tau_s``."""
@@ -1226,7 +1238,7 @@ class AdmissionController:
             model.alpha = settings.rate_alpha
             model.slots = self.slots
         for arrivals in self._arrivals:
-            arrivals.tau_s = settings.reserve_window_s
+            arrivals.retune(settings.reserve_window_s)
         if settings.refusal_window_s != self._refusals.window_s:
             self._refusals = RefusalWindow(settings.refusal_window_s)
         self._recompute()

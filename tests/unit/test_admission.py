@@ -1130,6 +1130,37 @@ def test_fast_estimate_sees_a_step_up_within_seconds_and_peak_falls_with_the_lon
     assert r.fast_rate(12.0) < r.rate(12.0) == r.peak(12.0)
 
 
+def test_a_new_time_constant_keeps_both_estimates() -> None:
+    from policies.admission import ArrivalRate
+
+    r = ArrivalRate(tau_s=60.0)
+    for i in range(22):  # 22 arrivals in 2 s, counted over a minute (its fast estimate: 12 s)
+        r.add(i / 11)
+    long_rate, fast_rate, weight = r.rate(2.0), r.fast_rate(2.0), r.weight(2.0)
+    r.retune(10.0)
+    assert r.tau_s == 10.0 and r.fast_tau_s == pytest.approx(2.0)
+    assert r.rate(2.0) == pytest.approx(long_rate) and r.fast_rate(2.0) == pytest.approx(fast_rate)
+    assert r.weight(2.0) == pytest.approx(weight / 6)  # the same rate, over a sixth of the time
+    assert r.fast_rate(4.0) == pytest.approx(fast_rate * math.exp(-1.0))  # and fades at the new one
+    r.retune(10.0)  # the same constant: nothing changes
+    assert r.rate(4.0) == pytest.approx(long_rate * math.exp(-0.2))
+
+
+def test_a_reloaded_reserve_window_reads_no_arrivals_that_did_not_come() -> None:
+    """Critical work that came at 2/s over a 60 s window is still 2/s over a 10 s window after a
+    reload: the server completing 10/s is not saturated by it (the counts kept as they were
+    read six-fold, and the full door refused critical work at once instead of letting it wait)."""
+    wide = RESERVING.model_copy(update={"reserve_window_s": 60.0})
+    ctl = controller(settings_=wide)  # the server completes 10/s
+    _offer(ctl, {C: 2.0}, 200.0)
+    long_rate, fast_rate = ctl.arrival_rates(200.0)["critical"]
+    assert long_rate == pytest.approx(2.0, rel=0.05) and fast_rate == pytest.approx(2.0, rel=0.1)
+    assert not ctl.saturated_by(C, 200.0)
+    ctl.update(SLO, RESERVING)  # reserve_window_s 60 -> 10
+    assert ctl.arrival_rates(200.0)["critical"] == pytest.approx((long_rate, fast_rate))
+    assert not ctl.saturated_by(C, 200.0)
+
+
 def test_a_step_up_in_the_demand_above_shuts_a_class_out_within_seconds() -> None:
     ctl = controller(settings_=RESERVING)  # the server completes 10/s
     _offer(ctl, {C: 1.0, S: 2.0}, 30.0)  # calm
