@@ -1095,3 +1095,36 @@ def test_stream_shaping_summary_is_the_median_per_arm_and_the_ratio() -> None:
         ss.parse_rates("a")
     with pytest.raises(SystemExit, match="must be > 0"):
         ss.parse_rates("12,0")
+
+
+# -- bench/overhead.py: the pure parts ---------------------------------------------------------------
+
+def test_overhead_rounds_rotate_who_goes_first() -> None:
+    from bench import overhead as oh
+
+    orders = [oh.rotation(i) for i in range(4)]
+    assert [o[0] for o in orders] == ["builtin", "core", "full", "builtin"]
+    assert all(sorted(o) == sorted(oh.APPS) for o in orders)
+
+
+def test_overhead_summary_gives_both_ratios_and_judges_both_paths() -> None:
+    from bench import overhead as oh
+
+    def samples(ms: list[float], ttft: float | None = 10.0) -> list[Any]:
+        return [oh.Sample(m, ttft, 16) for m in ms]
+
+    builtin = [500.0, 520.0, 480.0, 510.0]  # median 505
+    doc = oh.summarise({"builtin": samples(builtin), "core": samples([450.0, 470.0, 440.0, 460.0]),
+                        "full": samples([550.0, 560.0, 540.0, 600.0])})
+    assert doc["median_ms"] == {"builtin": 505.0, "core": 455.0, "full": 555.0}
+    assert doc["ratio_core_over_builtin"] == pytest.approx(455 / 505, abs=1e-4)
+    assert doc["ratio_full_over_builtin"] == pytest.approx(555 / 505, abs=1e-4)  # 1.099: within
+    rounds = sorted(f / b for f, b in zip([550.0, 560.0, 540.0, 600.0], builtin, strict=True))
+    assert doc["median_round_ratio_full_over_builtin"] == pytest.approx((rounds[1] + rounds[2]) / 2, abs=1e-4)
+    assert doc["ttft_median_ms"] == {"builtin": 10.0, "core": 10.0, "full": 10.0}
+    assert doc["meets_target"] is True
+    # one path past the target fails it, whichever it is; whole answers have no TTFT
+    slow = oh.summarise({"builtin": samples(builtin, None), "core": samples([450.0] * 4, None),
+                         "full": samples([560.0] * 4, None)})
+    assert slow["ratio_full_over_builtin"] > 1.10 and slow["meets_target"] is False
+    assert "ttft_median_ms" not in slow
