@@ -20,6 +20,15 @@ from ``stream_options.include_usage``; the time to the first token is recorded t
 median end-to-end latencies, their ratios to the built-in app's and the median of the per-round
 ratios; the target is ``<= 1.10`` for both of Brownout's paths.
 
+Brownout's engines run here with ``model.cpu_isolation: off`` unless ``--cpu-isolation`` says
+otherwise. As shipped (``auto``) each Brownout model replica binds its engine to the node's last
+CPU and moves every other process of the Ray node to the rest: in one cluster with the built-in
+app that bound both Brownout engines to one core, moved every front end (the built-in app's
+too) to the other and left the built-in app's engine unbound, so the figure depended on that
+placement more than on the request path (measured on 9b1a8c7: built-in 667 ms, Brownout level 0
+545 ms, 0.82 x; `bench/results/overhead_2026-12-06_avx512_isolated.json`). Alone on a machine, as `bench/overload.py` measures
+them, each app has the node to itself and Brownout keeps its isolation.
+
 The cluster is given 6 logical CPUs: each vLLM replica reserves one and the built-in app needs
 its own ingress and router, which do not fit in 2 logical CPUs; only one request runs at a time,
 so over-subscription does not distort the measurement.
@@ -54,14 +63,15 @@ MODEL_NAME = "brownout-tiny"
 HEADERS: dict[str, str] = {}  # the key and admin token of the private apps (`deploy`)
 
 
-def deploy(port: int, model_dir: str, data_dir: str) -> None:
+def deploy(port: int, model_dir: str, data_dir: str, cpu_isolation: str = "off") -> None:
     from ray import serve
     from ray.serve.llm import LLMConfig, build_openai_app
 
     from serve_app.app import BrownoutArgs, ModelArgs, build_app
 
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    model = ModelArgs(source=model_dir, served_model_name=MODEL_NAME, kv_cache_space_gib=1, **ENGINE)
+    model = ModelArgs(source=model_dir, served_model_name=MODEL_NAME, kv_cache_space_gib=1,
+                      cpu_isolation=cpu_isolation, **ENGINE)
     from bench.credentials import local_secrets
 
     auth, headers = local_secrets(Path(data_dir) / "secrets")
@@ -159,6 +169,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=16, help="as the overload benchmark's requests")
     ap.add_argument("--no-stream", action="store_true", help="whole answers instead of streamed chat")
+    ap.add_argument("--cpu-isolation", default="off",
+                    help="Brownout's model.cpu_isolation (default off: see the module's docstring)")
     ap.add_argument("--port", type=int, default=0, help="the Serve HTTP port (0: a free one)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -182,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ray.init(address="local", num_cpus=6, include_dashboard=False, _temp_dir=tmp, log_to_driver=False)
     try:
         port = args.port or free_port()
-        deploy(port, model_dir, tempfile.mkdtemp(prefix="bo-bench-data-"))
+        deploy(port, model_dir, tempfile.mkdtemp(prefix="bo-bench-data-"), args.cpu_isolation)
         base = f"http://127.0.0.1:{port}"
         urls = {name: f"{base}/{name}/v1/chat/completions" for name in APPS}
         samples: dict[str, list[Sample]] = {k: [] for k in APPS}
@@ -205,6 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "max_tokens": args.max_tokens,
             "stream": stream,
             "concurrency": 1,
+            "cpu_isolation": args.cpu_isolation,
             "engine": ENGINE,
             "dtype_in_use": engine_dtype(ENGINE["dtype"]),  # all three engines: what "auto" resolves to here
             **summarise(samples),
