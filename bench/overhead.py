@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -194,7 +195,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ray.init(address="local", num_cpus=6, include_dashboard=False, _temp_dir=tmp, log_to_driver=False)
     try:
         port = args.port or free_port()
-        deploy(port, model_dir, tempfile.mkdtemp(prefix="bo-bench-data-"), args.cpu_isolation)
+        data_dir = Path(tmp) / "data"  # the full app's audit log, SQLite store, ...
+        data_dir.mkdir()
+        deploy(port, model_dir, str(data_dir), args.cpu_isolation)
         base = f"http://127.0.0.1:{port}"
         urls = {name: f"{base}/{name}/v1/chat/completions" for name in APPS}
         samples: dict[str, list[Sample]] = {k: [] for k in APPS}
@@ -232,6 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         serve.shutdown()
         ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)  # Ray's session files and the apps' data
     return 0
 
 
