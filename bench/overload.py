@@ -23,6 +23,11 @@ chat, ``max_tokens`` 16 with ``ignore_eos``, a 20/50/30 critical/standard/shedda
    settings of ``serve_config.yaml`` (max_num_seqs, max_model_len, enforce_eager, KV cache), after
    Brownout is shut down: its capacity and the same fixed loads.
 
+One request at a time (ten, after each warm-up) is measured for each system; Brownout at level
+0 once more just before it is shut down (`one_at_a_time_last`), and the level-0 / built-in
+ratio takes that one, minutes from the built-in app's instead of the whole run (the first one
+beside it). `bench/overhead.py` measures the same interleaved, the three apps in one cluster.
+
 Capacity is the highest Poisson rate whose p99 end to end stays within the SLO (default
 2000 ms) with at most 1% errors. Every calibration probe replays one fixed Poisson trace scaled
 to its rate (common random numbers: probes and repeated calibrations differ by rate and server
@@ -661,6 +666,7 @@ def first_error(records: Sequence[Any]) -> str:
 
 
 UNLOADED_N = 10  # requests one at a time after each warm-up: the "one at a time" figures
+LAST_LEVEL0 = "brownout level 0, last"  # `one_at_a_time_last`: the built-in app's counterpart
 
 
 def warm_up(base: str, plan: Plan, brownout: bool, label: str, first: bool = False) -> dict[str, Any]:
@@ -670,23 +676,40 @@ def warm_up(base: str, plan: Plan, brownout: bool, label: str, first: bool = Fal
     seconds = plan.first_warm_s if first else plan.warm_s
     burst = run_profile(base, constant(2.0, seconds), plan, f"{label} warm-up", drain_s=60, mix=None, poll=False)
     wait_idle(base, brownout)
+    singles, alone = _one_at_a_time(base, plan, label)
+    doc = {"warm_up_ok": sum(1 for r in burst.records if r.ok), "warm_up_requests": len(burst.records),
+           # what the others got: a warm-up request not answered 200 is a finding, not noise
+           "warm_up_status": rep.status_counts(burst.records), **alone}
+    log(f"{label} warm-up: {doc['warm_up_ok']}/{doc['warm_up_requests']} ok"
+        + (f" ({first_error(burst.records)})" if doc["warm_up_ok"] < doc["warm_up_requests"] else "")
+        + f"; unloaded (one at a time): e2e p50 {doc['unloaded_e2e_ms_p50']} ms, TTFT p50 {doc['unloaded_ttft_ms_p50']} ms"
+        + (f"; {first_error(singles)}" if doc["unloaded_ok"] < len(singles) else ""))
+    wait_idle(base, brownout)
+    return doc
+
+
+def _one_at_a_time(base: str, plan: Plan, label: str) -> tuple[list[Any], dict[str, Any]]:
+    """``UNLOADED_N`` requests one at a time: their records and the ``unloaded_*`` figures."""
     singles: list[Any] = []
     for _ in range(UNLOADED_N):
         singles += run_profile(base, constant(1000.0, 1.0), plan, f"{label} unloaded", drain_s=60, mix=None,
                                poll=False, max_requests=1).records
     e2e = [r.e2e_ms for r in singles if r.ok and r.e2e_ms is not None]
     ttft = [r.ttft_ms for r in singles if r.ok and r.ttft_ms is not None]
-    doc = {"warm_up_ok": sum(1 for r in burst.records if r.ok), "warm_up_requests": len(burst.records),
-           # what the others got: a warm-up request not answered 200 is a finding, not noise
-           "warm_up_status": rep.status_counts(burst.records),
-           "unloaded_e2e_ms_p50": None if not e2e else round(percentile(e2e, 50) or 0, 1),
-           "unloaded_ttft_ms_p50": None if not ttft else round(percentile(ttft, 50) or 0, 1),
-           "unloaded_requests": len(singles), "unloaded_ok": len(e2e)}
-    log(f"{label} warm-up: {doc['warm_up_ok']}/{doc['warm_up_requests']} ok"
-        + (f" ({first_error(burst.records)})" if doc["warm_up_ok"] < doc["warm_up_requests"] else "")
-        + f"; unloaded (one at a time): e2e p50 {doc['unloaded_e2e_ms_p50']} ms, TTFT p50 {doc['unloaded_ttft_ms_p50']} ms"
-        + (f"; {first_error(singles)}" if len(e2e) < len(singles) else ""))
-    wait_idle(base, brownout)
+    return singles, {"unloaded_e2e_ms_p50": None if not e2e else round(percentile(e2e, 50) or 0, 1),
+                     "unloaded_ttft_ms_p50": None if not ttft else round(percentile(ttft, 50) or 0, 1),
+                     "unloaded_requests": len(singles), "unloaded_ok": len(e2e)}
+
+
+def one_at_a_time_last(base: str, plan: Plan) -> dict[str, Any]:
+    """Brownout at level 0 one request at a time once more, its service warm, just before it
+    makes way for the built-in app: the figure the built-in app's is compared with, minutes
+    apart instead of the whole run (in seed 221 the two were 19 minutes apart and read 1.117 x)."""
+    pin_level(base, 0)
+    wait_idle(base, True, timeout_s=60)
+    singles, doc = _one_at_a_time(base, plan, LAST_LEVEL0)
+    log(f"{LAST_LEVEL0}: unloaded (one at a time): e2e p50 {doc['unloaded_e2e_ms_p50']} ms, "
+        f"TTFT p50 {doc['unloaded_ttft_ms_p50']} ms" + (f"; {first_error(singles)}" if doc["unloaded_ok"] < len(singles) else ""))
     return doc
 
 
@@ -1085,6 +1108,9 @@ def comparison(args: argparse.Namespace) -> int:
                     if plan.mix:
                         todo.insert(1, one_class_run(loads["1.5x"], plan, k))
                     run_adaptive(bench, base, policy_doc, todo)
+            if "builtin" in plan.runs:
+                bench.unloaded[LAST_LEVEL0] = bench.timed("one_at_a_time_level0_last",
+                                                          lambda: one_at_a_time_last(base, plan))
             log("shutting Brownout down")
             serve.shutdown()
             bench.cpu_placement["raylet_cpus_after_shutdown"] = raylet_cpus()
@@ -1242,7 +1268,13 @@ def ratios(runs: Sequence[dict[str, Any]], capacity: dict[str, Any], slo_ms: flo
     ub = (u.get("builtin") or {}).get("unloaded_e2e_ms_p50")
     for level in (0, 3):
         mine = (u.get(f"brownout level {level}") or {}).get("unloaded_e2e_ms_p50")
-        if mine is not None and ub:
+        last = (u.get(LAST_LEVEL0) or {}).get("unloaded_e2e_ms_p50") if level == 0 else None
+        if last is not None and ub:
+            # the measurement nearest the built-in app's in time; the first one beside it
+            out["one at a time: e2e p50 Brownout level 0 / built-in"] = _div(last, ub)
+            if mine is not None:
+                out["one at a time: e2e p50 Brownout level 0 after its warm-up / built-in"] = _div(mine, ub)
+        elif mine is not None and ub:
             out[f"one at a time: e2e p50 Brownout level {level} / built-in"] = _div(mine, ub)
     stepped = _find(runs, "adaptive step")
     if stepped and stepped["load_steps_s"]:

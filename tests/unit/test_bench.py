@@ -527,6 +527,12 @@ def test_ratios_and_table_from_run_reports() -> None:
     assert r["pinned0 p99 / adaptive standard-only p99 at 1.5xC0"] == 8.0
     assert r["SLO met again s after the step down"] is None  # 2 s after it: no whole 5 s window
     assert r["one at a time: e2e p50 Brownout level 0 / built-in"] == 1.25
+    assert "one at a time: e2e p50 Brownout level 0 after its warm-up / built-in" not in r
+    # measured again just before the built-in app: the ratio takes that one, the first beside it
+    last = overload.ratios(runs, capacity, 2000.0, {**unloaded, overload.LAST_LEVEL0: {"unloaded_e2e_ms_p50": 1320.0}})
+    assert last["one at a time: e2e p50 Brownout level 0 / built-in"] == 1.1
+    assert last["one at a time: e2e p50 Brownout level 0 after its warm-up / built-in"] == 1.25
+    assert last["one at a time: e2e p50 Brownout level 3 / built-in"] == r["one at a time: e2e p50 Brownout level 3 / built-in"]
     assert r["adaptive @3x: client time-outs"] == 0 and r["adaptive @3x: median time to refusal ms"] is None
     text = overload.table(runs)
     assert text.splitlines()[0].split()[:3] == ["run", "offered", "thru"] and "adaptive @1.5x" in text
@@ -912,6 +918,16 @@ def test_warm_up_reports_what_the_requests_not_answered_200_got(monkeypatch: pyt
     assert doc["warm_up_status"] == {"200": 2, "503": 1, "conn_error": 1}
     assert doc["unloaded_requests"] == doc["unloaded_ok"] == overload.UNLOADED_N
     assert doc["unloaded_e2e_ms_p50"] == 1200.0
+
+    # once more at level 0 before the built-in app: pinned, idle, the same ten requests, no warm-up
+    pins: list[int | None] = []
+    calls.clear()
+    monkeypatch.setattr(overload, "pin_level", lambda base, level: pins.append(level))
+    monkeypatch.setattr(overload, "wait_idle", lambda base, brownout, timeout_s=30: None)
+    last = overload.one_at_a_time_last("http://127.0.0.1:1", plan)
+    assert pins == [0] and calls == [1] * overload.UNLOADED_N
+    assert last == {"unloaded_e2e_ms_p50": 1200.0, "unloaded_ttft_ms_p50": 400.0,
+                    "unloaded_requests": overload.UNLOADED_N, "unloaded_ok": overload.UNLOADED_N}
 
 
 # -- a noisy neighbour (bench/overload.py --neighbour) ------------------------------------------
