@@ -513,8 +513,10 @@ def _wanted_headers(headers: Any) -> dict[str, str]:
             if k.lower().startswith("x-brownout-") or k.lower() == "retry-after"}
 
 
-async def _one(client: Any, url: str, body: dict[str, Any], headers: dict[str, str], rec: RequestRecord,
-               clock: Callable[[], float]) -> None:
+async def stream_one(client: Any, url: str, body: dict[str, Any], headers: dict[str, str], rec: RequestRecord,
+                     clock: Callable[[], float]) -> None:
+    """Send one streamed request and fill ``rec`` (times from ``clock``: sent, first token, done;
+    status, the Brownout headers, completion tokens, an error)."""
     import httpx
 
     rec.sent_s = clock()
@@ -663,7 +665,7 @@ async def run_load(base_url: str, model: str, profile: Profile, *, seed: int | N
                     "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
                     "stream_options": {"include_usage": True}, **(extra_body or {})}
             headers = {CRITICALITY_HEADER: rec.criticality} if rec.criticality else {}
-            task = asyncio.create_task(_one(client, url, body, headers, rec, clock))
+            task = asyncio.create_task(stream_one(client, url, body, headers, rec, clock))
             task.add_done_callback(tick)
             tasks.append(task)
 

@@ -37,6 +37,7 @@ so over-subscription does not distort the measurement.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import shutil
 import statistics
@@ -55,6 +56,7 @@ if str(ROOT) not in sys.path:
 import httpx  # noqa: E402
 
 from bench import provenance  # noqa: E402
+from bench.loadgen import RequestRecord, stream_one  # noqa: E402
 from deployments.engine import engine_dtype  # noqa: E402
 
 ENGINE = {"max_num_seqs": 16, "max_model_len": 1024, "enforce_eager": True, "dtype": "auto", "seed": 0}
@@ -103,31 +105,41 @@ class Sample:
     tokens: int
 
 
-def one(client: httpx.Client, url: str, max_tokens: int, i: int, stream: bool) -> Sample:
+async def one(client: httpx.AsyncClient, url: str, max_tokens: int, i: int, stream: bool) -> Sample:
     # a different prompt each time: the full path's semantic cache must not answer for the model
     body: dict[str, Any] = {
         "model": MODEL_NAME, "messages": [{"role": "user", "content": f"Tell me story number {i} of the sea."}],
         "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "user": f"user-{i % 1000:04d}"}
+    t0 = time.perf_counter()
     if not stream:
-        t0 = time.perf_counter()
-        r = client.post(url, json=body)
+        r = await client.post(url, json=body)
         dt = time.perf_counter() - t0
         r.raise_for_status()
         return Sample(dt * 1000, None, r.json()["usage"]["completion_tokens"])
+    # the overload benchmark's streamed request, as its load generator sends and times it
     body |= {"stream": True, "stream_options": {"include_usage": True}}
-    ttft, tokens = None, -1
-    t0 = time.perf_counter()
-    with client.stream("POST", url, json=body) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: "):])
-            if ttft is None and any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or []):
-                ttft = (time.perf_counter() - t0) * 1000
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-    return Sample((time.perf_counter() - t0) * 1000, ttft, tokens)
+    rec = RequestRecord(i, 0.0)
+    await stream_one(client, url, body, {}, rec, lambda: time.perf_counter() - t0)
+    if not rec.ok or rec.e2e_ms is None:
+        raise SystemExit(f"{url}: status {rec.status} {rec.error or ''}")
+    return Sample(rec.e2e_ms, rec.ttft_ms, -1 if rec.completion_tokens is None else rec.completion_tokens)
+
+
+async def measure(urls: Mapping[str, str], requests: int, warmup: int, max_tokens: int,
+                  stream: bool) -> dict[str, list[Sample]]:
+    """``warmup`` rounds unmeasured, then ``requests`` rounds of one request per app (`rotation`)."""
+    samples: dict[str, list[Sample]] = {k: [] for k in urls}
+    async with httpx.AsyncClient(timeout=120, headers=HEADERS) as client:
+        for w in range(warmup):
+            for url in urls.values():
+                await one(client, url, max_tokens, -1 - w, stream)
+        for i in range(requests):
+            for name in rotation(i, tuple(urls)):
+                sample = await one(client, urls[name], max_tokens, i, stream)
+                if sample.tokens != max_tokens:
+                    raise SystemExit(f"{name} answered {sample.tokens} tokens, not {max_tokens}")
+                samples[name].append(sample)
+    return samples
 
 
 def rotation(i: int, names: Sequence[str] = APPS) -> list[str]:
@@ -200,17 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         deploy(port, model_dir, str(data_dir), args.cpu_isolation)
         base = f"http://127.0.0.1:{port}"
         urls = {name: f"{base}/{name}/v1/chat/completions" for name in APPS}
-        samples: dict[str, list[Sample]] = {k: [] for k in APPS}
-        with httpx.Client(timeout=120, headers=HEADERS) as client:
-            for w in range(args.warmup):
-                for url in urls.values():
-                    one(client, url, args.max_tokens, -1 - w, stream)
-            for i in range(args.requests):
-                for name in rotation(i):
-                    sample = one(client, urls[name], args.max_tokens, i, stream)
-                    if sample.tokens != args.max_tokens:
-                        raise SystemExit(f"{name} answered {sample.tokens} tokens, not {args.max_tokens}")
-                    samples[name].append(sample)
+        samples = asyncio.run(measure(urls, args.requests, args.warmup, args.max_tokens, stream))
         result = {
             "meta": {"command": provenance.command_line("bench/overhead.py", sys.argv[1:] if argv is None else argv),
                      "code_commit": code["commit"], "uncommitted": code["uncommitted"],

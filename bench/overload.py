@@ -676,29 +676,30 @@ def warm_up(base: str, plan: Plan, brownout: bool, label: str, first: bool = Fal
     seconds = plan.first_warm_s if first else plan.warm_s
     burst = run_profile(base, constant(2.0, seconds), plan, f"{label} warm-up", drain_s=60, mix=None, poll=False)
     wait_idle(base, brownout)
-    singles, alone = _one_at_a_time(base, plan, label)
+    alone, said = _one_at_a_time(base, plan, label)
     doc = {"warm_up_ok": sum(1 for r in burst.records if r.ok), "warm_up_requests": len(burst.records),
            # what the others got: a warm-up request not answered 200 is a finding, not noise
            "warm_up_status": rep.status_counts(burst.records), **alone}
     log(f"{label} warm-up: {doc['warm_up_ok']}/{doc['warm_up_requests']} ok"
         + (f" ({first_error(burst.records)})" if doc["warm_up_ok"] < doc["warm_up_requests"] else "")
-        + f"; unloaded (one at a time): e2e p50 {doc['unloaded_e2e_ms_p50']} ms, TTFT p50 {doc['unloaded_ttft_ms_p50']} ms"
-        + (f"; {first_error(singles)}" if doc["unloaded_ok"] < len(singles) else ""))
+        + f"; {said}")
     wait_idle(base, brownout)
     return doc
 
 
-def _one_at_a_time(base: str, plan: Plan, label: str) -> tuple[list[Any], dict[str, Any]]:
-    """``UNLOADED_N`` requests one at a time: their records and the ``unloaded_*`` figures."""
+def _one_at_a_time(base: str, plan: Plan, label: str) -> tuple[dict[str, Any], str]:
+    """``UNLOADED_N`` requests one at a time: the ``unloaded_*`` figures and a line for the log."""
     singles: list[Any] = []
     for _ in range(UNLOADED_N):
         singles += run_profile(base, constant(1000.0, 1.0), plan, f"{label} unloaded", drain_s=60, mix=None,
                                poll=False, max_requests=1).records
     e2e = [r.e2e_ms for r in singles if r.ok and r.e2e_ms is not None]
     ttft = [r.ttft_ms for r in singles if r.ok and r.ttft_ms is not None]
-    return singles, {"unloaded_e2e_ms_p50": None if not e2e else round(percentile(e2e, 50) or 0, 1),
-                     "unloaded_ttft_ms_p50": None if not ttft else round(percentile(ttft, 50) or 0, 1),
-                     "unloaded_requests": len(singles), "unloaded_ok": len(e2e)}
+    doc = {"unloaded_e2e_ms_p50": None if not e2e else round(percentile(e2e, 50) or 0, 1),
+           "unloaded_ttft_ms_p50": None if not ttft else round(percentile(ttft, 50) or 0, 1),
+           "unloaded_requests": len(singles), "unloaded_ok": len(e2e)}
+    return doc, (f"unloaded (one at a time): e2e p50 {doc['unloaded_e2e_ms_p50']} ms, TTFT p50 "
+                 f"{doc['unloaded_ttft_ms_p50']} ms" + (f"; {first_error(singles)}" if len(e2e) < len(singles) else ""))
 
 
 def one_at_a_time_last(base: str, plan: Plan) -> dict[str, Any]:
@@ -707,9 +708,8 @@ def one_at_a_time_last(base: str, plan: Plan) -> dict[str, Any]:
     apart instead of the whole run (in seed 221 the two were 19 minutes apart and read 1.117 x)."""
     pin_level(base, 0)
     wait_idle(base, True, timeout_s=60)
-    singles, doc = _one_at_a_time(base, plan, LAST_LEVEL0)
-    log(f"{LAST_LEVEL0}: unloaded (one at a time): e2e p50 {doc['unloaded_e2e_ms_p50']} ms, "
-        f"TTFT p50 {doc['unloaded_ttft_ms_p50']} ms" + (f"; {first_error(singles)}" if doc["unloaded_ok"] < len(singles) else ""))
+    doc, said = _one_at_a_time(base, plan, LAST_LEVEL0)
+    log(f"{LAST_LEVEL0}: {said}")
     return doc
 
 
