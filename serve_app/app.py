@@ -9,13 +9,13 @@ naming it. Per-deployment Serve options (replicas, CPUs, ``max_ongoing_requests`
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from ray import serve
 from ray.serve import Application
+from ray.serve.config import DEFAULT_METRICS_INTERVAL_S  # Serve's push interval unless set (10 s)
 
 from deployments.engine import EngineSettings
 from deployments.enrichments.host import EnrichmentHost
@@ -26,25 +26,6 @@ from serve_app.ingress import Ingress, IngressLimits, PipelineSettings
 from serve_app.security import AuthSettings
 
 EMBEDDED_MODEL = "embedded:tiny"
-
-
-PUSH_INTERVAL_ENV = "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"
-
-
-def metric_push_interval_s() -> float:
-    """The interval at which model replicas push their queue to Serve's autoscaler: Serve's
-    ``RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S`` (10 s unset), as the process that
-    validates the config sees it (the cluster's processes inherit it from where it started)."""
-    raw = os.environ.get(PUSH_INTERVAL_ENV)
-    if raw is None:
-        return 10.0
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{PUSH_INTERVAL_ENV}={raw!r} is not a number of seconds") from None
-    if not value > 0:
-        raise ValueError(f"{PUSH_INTERVAL_ENV}={raw!r} must be > 0")
-    return value
 
 
 class ModelAutoscaling(BaseModel):
@@ -62,21 +43,26 @@ class ModelAutoscaling(BaseModel):
         "default max_num_seqs (one full batch per replica)")
     upscale_delay_s: float = Field(default=5.0, ge=0, allow_inf_nan=False)
     downscale_delay_s: float = Field(default=120.0, ge=0, allow_inf_nan=False)
+    metrics_interval_s: float = Field(
+        default=DEFAULT_METRICS_INTERVAL_S, gt=0, allow_inf_nan=False,
+        description="how often the model replicas and the handles calling them push their queue to "
+        "Serve's autoscaler (Serve's autoscaling_config.metrics_interval_s, 10 s by default). Serve "
+        "marks the field deprecated in favour of RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S, "
+        "but Ray 2.60 defines that variable and never reads it: this field is the interval in force")
     look_back_period_s: float = Field(
         default=15.0, gt=0, allow_inf_nan=False,
-        description="the window Serve averages ongoing requests over; keep it above the interval at "
-        "which replicas push their queue (RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S, 10 s)")
+        description="the window Serve averages ongoing requests over; above metrics_interval_s")
 
     @field_validator("look_back_period_s")
     @classmethod
-    def _above_the_push_interval(cls, v: float) -> float:
+    def _above_the_push_interval(cls, v: float, info: ValidationInfo) -> float:
         # Serve averages the queue the replicas push over this window; at or below the push
-        # interval it holds one push or none, and Serve itself says it will refuse that (it warns
-        # against its deprecated metrics_interval_s today, whatever interval is in force)
-        push = metric_push_interval_s()
-        if v <= push:
-            raise ValueError(f"look_back_period_s={v:g} must be above the interval at which the replicas push "
-                             f"their queue ({push:g} s, {PUSH_INTERVAL_ENV})")
+        # interval it holds one push or none (Serve itself only warns, and says a later release
+        # will refuse it). A metrics_interval_s that failed its own check is reported on its own.
+        push = info.data.get("metrics_interval_s")
+        if push is not None and v <= push:
+            raise ValueError(f"look_back_period_s={v:g} must be above metrics_interval_s={push:g}, the interval at "
+                             "which the replicas push their queue: the window would hold one push or none")
         return v
 
     @model_validator(mode="after")
@@ -96,6 +82,7 @@ class ModelAutoscaling(BaseModel):
             "target_ongoing_requests": float(target),
             "upscale_delay_s": self.upscale_delay_s,
             "downscale_delay_s": self.downscale_delay_s,
+            "metrics_interval_s": self.metrics_interval_s,
             "look_back_period_s": self.look_back_period_s,
             "policy": {"policy_function": POLICY_FUNCTION},
         }

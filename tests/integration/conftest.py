@@ -233,11 +233,6 @@ def policy_actor():  # type: ignore[no-untyped-def]
 
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# Serve's replicas and handles push their queue lengths to the autoscaler every 10 s by default;
-# the session cluster inherits 1 s, so the autoscaling test sees a scale-up (and back) in
-# seconds, not tens of them. Nothing else here autoscales.
-os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
-os.environ.setdefault("RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
 
 
 # the tests that run after all others, in this order (`pytest_collection_modifyitems`)

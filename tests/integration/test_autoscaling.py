@@ -3,8 +3,8 @@ Brownout's policy function, the policy degrades while the new replica is pending
 once it serves, and the count falls again only after the policy is back at level 0.
 
 The session's app is redeployed with ``model.autoscaling`` (one to two replicas, two requests per
-replica as the target, no upscale delay, a 3 s downscale delay and look-back; the session
-cluster pushes queue metrics every second, conftest) and an SLO of 120 s: with that
+replica as the target, no upscale delay, a 3 s downscale delay and look-back, the queue
+pushed to Serve's autoscaler every second: ``metrics_interval_s`` 1) and an SLO of 120 s: with that
 budget nothing is refused and no queue, predicted-wait or latency trigger fires or holds at
 this load, so the only signal that can raise the level is ``model_replicas_pending``. Six
 clients keep streamed answers of 48 tokens going until the second replica serves.
@@ -62,7 +62,7 @@ def autoscaled_config(cluster: Cluster) -> dict[str, Any]:
     app = config["applications"][0]
     app["args"]["model"]["autoscaling"] = {
         "min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2,
-        "upscale_delay_s": 0, "downscale_delay_s": 3, "look_back_period_s": 3,
+        "upscale_delay_s": 0, "downscale_delay_s": 3, "metrics_interval_s": 1, "look_back_period_s": 3,
     }
     (ingress,) = [d for d in app["deployments"] if d["name"] == "Ingress"]
     policy = ingress["user_config"]["policy"]["degradation"]

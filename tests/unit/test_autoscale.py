@@ -243,37 +243,42 @@ def test_autoscaling_args_become_serves_autoscaling_config() -> None:
         ({"min_replicas": 3, "max_replicas": 2}, "max_replicas=2 must be >= min_replicas=3"),
         ({"max_replicas": 2, "min_replicas": 0}, "model.autoscaling.min_replicas"),
         ({"max_replicas": 2, "look_back_period_s": 0}, "model.autoscaling.look_back_period_s"),
-        # at or below the interval the replicas push their queue at (10 s unless the env says otherwise)
-        ({"max_replicas": 2, "look_back_period_s": 10}, "look_back_period_s=10 must be above the interval"),
+        # at or below the interval the replicas push their queue at (metrics_interval_s, 10 s)
+        ({"max_replicas": 2, "look_back_period_s": 10}, "look_back_period_s=10 must be above metrics_interval_s=10"),
         ({"max_replicas": 2, "upscale_delay": 1}, "upscale_delay"),
         ({}, "model.autoscaling.max_replicas"),
     ],
 )
-def test_bad_autoscaling_args_name_the_key(autoscaling: dict[str, Any], names: str,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    from serve_app.app import PUSH_INTERVAL_ENV, BrownoutArgs
-
-    monkeypatch.delenv(PUSH_INTERVAL_ENV, raising=False)  # the integration tests' conftest sets 1 s
+def test_bad_autoscaling_args_name_the_key(autoscaling: dict[str, Any], names: str) -> None:
+    from serve_app.app import BrownoutArgs
 
     with pytest.raises(ValidationError, match=re.escape(names)):
         BrownoutArgs.model_validate({"model": {"autoscaling": autoscaling}})
 
 
-def test_the_look_back_window_is_checked_against_the_push_interval_in_force(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Serve compares ``look_back_period_s`` with its deprecated ``metrics_interval_s`` (10 s),
-    not with the interval the replicas push at; Brownout checks the one in force."""
-    from serve_app.app import PUSH_INTERVAL_ENV, BrownoutArgs
+def test_the_look_back_window_is_checked_against_the_push_interval_in_force() -> None:
+    """Ray 2.60's replicas and handles push their queue every ``metrics_interval_s`` (the
+    environment variable Serve names as its replacement is defined but never read), so the
+    window is checked against that field, and the field reaches Serve's autoscaling_config."""
+    from ray.serve.config import AutoscalingConfig
 
-    monkeypatch.delenv(PUSH_INTERVAL_ENV, raising=False)
+    from serve_app.app import BrownoutArgs
+
     with pytest.raises(ValidationError, match=re.escape("model.autoscaling.look_back_period_s")):
         BrownoutArgs.model_validate({"model": {"autoscaling": {"max_replicas": 2, "look_back_period_s": 3}}})
-    assert BrownoutArgs.model_validate({"model": {"autoscaling": {"max_replicas": 2}}}).model.autoscaling
-    monkeypatch.setenv(PUSH_INTERVAL_ENV, "1")  # as the integration tests run the cluster
-    args = BrownoutArgs.model_validate({"model": {"autoscaling": {"max_replicas": 2, "look_back_period_s": 3}}})
-    assert args.model.autoscaling is not None and args.model.autoscaling.look_back_period_s == 3
-    monkeypatch.setenv(PUSH_INTERVAL_ENV, "soon")
-    with pytest.raises(ValidationError, match=re.escape(f"{PUSH_INTERVAL_ENV}='soon' is not a number of seconds")):
-        BrownoutArgs.model_validate({"model": {"autoscaling": {"max_replicas": 2, "look_back_period_s": 3}}})
+    shipped = BrownoutArgs.model_validate({"model": {"autoscaling": {"max_replicas": 2}}}).model.autoscaling
+    assert shipped is not None and shipped.serve_config(16)["metrics_interval_s"] == 10
+    args = BrownoutArgs.model_validate(
+        {"model": {"autoscaling": {"max_replicas": 2, "metrics_interval_s": 1, "look_back_period_s": 3}}})
+    auto = args.model.autoscaling
+    assert auto is not None and (auto.metrics_interval_s, auto.look_back_period_s) == (1, 3)
+    serve_cfg = AutoscalingConfig(**{k: v for k, v in auto.serve_config(16).items() if k != "policy"})
+    assert (serve_cfg.metrics_interval_s, serve_cfg.look_back_period_s) == (1, 3)
+    with pytest.raises(ValidationError, match=re.escape("look_back_period_s=3 must be above metrics_interval_s=5")):
+        BrownoutArgs.model_validate(
+            {"model": {"autoscaling": {"max_replicas": 2, "metrics_interval_s": 5, "look_back_period_s": 3}}})
+    with pytest.raises(ValidationError, match=re.escape("model.autoscaling.metrics_interval_s")):
+        BrownoutArgs.model_validate({"model": {"autoscaling": {"max_replicas": 2, "metrics_interval_s": 0}}})
 
 
 def test_policy_core_load_is_the_level_and_the_refused_share_of_the_last_tick() -> None:
