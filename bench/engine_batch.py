@@ -1,0 +1,222 @@
+"""The vLLM engine alone, at a fixed number of requests in flight: what no admission rule can beat.
+
+    .venv/bin/python bench/engine_batch.py [--concurrency 1,2,4,8,12,16] [--seconds 15] [--out F]
+
+One `AsyncLLM` with the engine settings of ``serve_config.yaml``'s model args (the embedded model,
+``max_num_seqs``, ``max_model_len``, ``enforce_eager``, dtype as `deployments.engine.engine_dtype`
+resolves it, the KV cache), its engine-core process bound to the CPU the shipped placement gives
+it (``cpu_isolation: auto``, `deployments.cpu_placement.plan`) and this process, the engine's
+front end, to the others, as a model replica runs. No Ray, no HTTP, no Serve.
+
+For each concurrency ``n`` in turn, ``n`` clients each send a request as soon as their last one
+finished (a closed loop: exactly ``n`` in flight, the engine's continuous batching admitting each
+new one at its next step); ``--seconds`` are measured after ``--warm-s`` at that concurrency. Every
+request is a chat prompt of the overload benchmark's kind (`bench.loadgen.make_prompt`, new
+each time, rendered with the model's chat template) answered with exactly ``--max-tokens`` tokens
+(``ignore_eos``). Per concurrency: completions per second and the latencies' median and p99.
+
+Why: the overload benchmark asks at 1.5 x C0 for both ">= 95% within the SLO" and "pinned-0 p99 /
+adaptive p99 >= 5". Carrying a rate takes at least the concurrency at which the engine alone
+completes that rate, and a request then takes at least what it takes the engine alone there
+(the service only adds to it). So `ceiling` gives, for a rate served and pinned level 0's p99,
+the highest that ratio can be: pinned-0 p99 over the engine alone's p99 at the lowest
+concurrency that carries the rate (and over its median, a looser bound).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ``values``, nearest rank (the p99 of 100 latencies is the 99th)."""
+    ordered = sorted(values)
+    if not ordered:
+        raise ValueError("no values")
+    rank = max(1, min(len(ordered), -(-len(ordered) * q // 1)))  # ceil(n * q), within 1..n
+    return ordered[int(rank) - 1]
+
+
+def row(concurrency: int, spans: Sequence[tuple[float, float]], start: float, end: float) -> dict[str, Any]:
+    """One concurrency's figures from its requests' ``(sent, done)`` times, measured in the window
+    ``[start, end]`` of a closed loop that ran before and after it: completions per second are
+    those done within it; latencies, those of requests sent and done within it (a request that
+    straddles an edge ran partly at another load)."""
+    if end <= start:
+        raise ValueError(f"concurrency {concurrency}: empty window {start:g}..{end:g}")
+    done = [(a, b) for a, b in spans if start <= b <= end]
+    latencies = [b - a for a, b in done if a >= start]
+    if not latencies:
+        raise ValueError(f"concurrency {concurrency}: no request both sent and done within {end - start:g} s")
+    return {"concurrency": concurrency, "completed": len(done), "measured": len(latencies),
+            "throughput_rps": round(len(done) / (end - start), 3),
+            "e2e_ms_p50": round(1000 * statistics.median(latencies), 1),
+            "e2e_ms_p99": round(1000 * quantile(latencies, 0.99), 1)}
+
+
+def ceiling(rows: Sequence[Mapping[str, Any]], served_rps: float, pinned0_p99_ms: float) -> dict[str, Any]:
+    """The highest pinned-0 p99 / adaptive p99 a run that served ``served_rps`` can show: pinned
+    level 0's p99 over the engine alone's latency at the lowest measured concurrency that
+    completes at least that rate. None where no measured concurrency carries it (then the run
+    served more than the engine alone did here: the machine was faster, and nothing is bounded)."""
+    carrying = sorted((r for r in rows if r["throughput_rps"] >= served_rps), key=lambda r: r["concurrency"])
+    if not carrying:
+        return {"served_rps": served_rps, "concurrency": None, "ratio_ceiling_p99": None, "ratio_ceiling_p50": None}
+    r = carrying[0]
+    return {"served_rps": served_rps, "concurrency": r["concurrency"],
+            "engine_alone_e2e_ms_p50": r["e2e_ms_p50"], "engine_alone_e2e_ms_p99": r["e2e_ms_p99"],
+            "ratio_ceiling_p99": round(pinned0_p99_ms / r["e2e_ms_p99"], 2),
+            "ratio_ceiling_p50": round(pinned0_p99_ms / r["e2e_ms_p50"], 2)}
+
+
+def overload_ceilings(rows: Sequence[Mapping[str, Any]], doc: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """`ceiling` for an overload-benchmark result: at 1.5 x C0, for the adaptive runs (the mix and
+    standard only) at the rate each served, against that file's pinned level 0's p99."""
+    from bench.overload import ONE_CLASS_SUFFIX, _find
+
+    pinned = _find(doc["runs"], "pinned0 @1.5x")
+    if pinned is None:
+        raise SystemExit(f"{name}: no 'pinned0 @1.5x' run")
+    p99 = pinned["overall"]["e2e_ms"]["p99"]
+    out: dict[str, Any] = {"file": name, "pinned0_p99_ms": p99}
+    for run in ("adaptive @1.5x", f"adaptive @1.5x{ONE_CLASS_SUFFIX}"):
+        found = _find(doc["runs"], run)
+        if found is not None:
+            o = found["overall"]
+            out[run] = {**ceiling(rows, o["throughput_rps"], p99), "measured_ratio": round(p99 / o["e2e_ms"]["p99"], 2)}
+    return out
+
+
+def parse_concurrency(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--concurrency: {text!r} is not a comma-separated list of integers") from None
+    if not values or any(v < 1 for v in values):
+        raise SystemExit(f"--concurrency: {text!r}: give integers >= 1")
+    return values
+
+
+def engine_args() -> dict[str, Any]:
+    """serve_config.yaml's model args that the engine takes."""
+    import yaml
+
+    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    return dict(config["applications"][0]["args"]["model"])
+
+
+async def measure(concurrency: Sequence[int], seconds: float, warm_s: float, max_tokens: int) -> dict[str, Any]:
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from bench.loadgen import make_prompt
+    from deployments import cpu_placement as cp
+    from deployments.engine import engine_dtype
+    from deployments.tiny_model import ensure_tiny_model
+
+    m = engine_args()
+    if m["source"] != "embedded:tiny":
+        raise SystemExit(f"model.source={m['source']!r}: this benchmark runs the embedded model only")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(m["kv_cache_space_gib"]))
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
+        model=str(ensure_tiny_model()), max_num_seqs=m["max_num_seqs"], max_model_len=m["max_model_len"],
+        enforce_eager=m["enforce_eager"], dtype=engine_dtype(m.get("dtype", "auto")), seed=0,
+        disable_log_stats=True))
+    placement, why = cp.plan("auto", cp.node_cpus(), 1)
+    cores = cp.children_named(cp.parent_map(), os.getpid(), cp.ENGINE_COMM)
+    if placement is not None and cores:
+        for pid in cores:
+            cp.set_process_cpus(pid, placement.engine)
+        cp.set_process_cpus(os.getpid(), placement.service)
+    tokenizer = engine.get_tokenizer()
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+
+    async def one(spans: list[tuple[float, float]]) -> None:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": make_prompt(rng)}],
+                                               tokenize=False, add_generation_prompt=True)
+        t0 = time.perf_counter()
+        async for _ in engine.generate(prompt, params, request_id=uuid.uuid4().hex):
+            pass
+        spans.append((t0, time.perf_counter()))
+
+    async def closed_loop(n: int, until: float, spans: list[tuple[float, float]]) -> None:
+        """``n`` clients, each sending its next request when its last is done, until ``until``."""
+        async def client() -> None:
+            while time.perf_counter() < until:
+                await one(spans)
+        await asyncio.gather(*(client() for _ in range(n)))
+
+    rows = []
+    try:
+        await closed_loop(max(concurrency), time.perf_counter() + 2 * warm_s, [])  # the first batches are slow
+        for n in concurrency:
+            spans: list[tuple[float, float]] = []
+            start = time.perf_counter() + warm_s
+            end = start + seconds
+            await closed_loop(n, end, spans)  # the loop runs on past the window until its last request is done
+            rows.append(row(n, spans, start, end))
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        engine.shutdown()
+    return {"rows": rows, "placement": {"engine_cpus": list(placement.engine) if placement else None,
+                                        "front_end_cpus": list(placement.service) if placement else None,
+                                        "why": why, "engine_processes_bound": len(cores)},
+            "engine": {k: m[k] for k in ("max_num_seqs", "max_model_len", "enforce_eager", "kv_cache_space_gib")},
+            "dtype_in_use": engine_dtype(m.get("dtype", "auto"))}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--concurrency", default="1,2,4,8,12,16", help="requests in flight, in turn (default 1,2,4,8,12,16)")
+    ap.add_argument("--seconds", type=float, default=15.0, help="measured seconds per concurrency")
+    ap.add_argument("--warm-s", type=float, default=3.0, help="unmeasured seconds before each")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
+    ap.add_argument("--overload", type=Path, nargs="*", default=[],
+                    help="overload-benchmark results: the ceiling of pinned-0 p99 / adaptive p99 at 1.5 x C0 for each")
+    args = ap.parse_args(argv)
+    concurrency = parse_concurrency(args.concurrency)
+    overload = {p: json.loads(p.read_text()) for p in args.overload}  # unreadable: fail before measuring
+    if args.seconds <= 0 or args.warm_s < 0 or args.max_tokens < 1:
+        raise SystemExit("--seconds must be > 0, --warm-s >= 0, --max-tokens >= 1")
+    # One compute thread, as Ray gives the model replica (num_cpus 1), set before torch loads.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from bench import provenance
+    from bench.overload import machine
+
+    code = provenance.code_state()
+    t0 = time.monotonic()
+    result = asyncio.run(measure(concurrency, args.seconds, args.warm_s, args.max_tokens))
+    doc = {"meta": {"command": provenance.command_line("bench/engine_batch.py", sys.argv[1:] if argv is None else argv),
+                    "code_commit": code["commit"], "uncommitted": code["uncommitted"],
+                    "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(),
+                    "wall_s": round(time.monotonic() - t0, 1)},
+           "max_tokens": args.max_tokens, "seconds_per_concurrency": args.seconds, **result}
+    if overload:
+        doc["ceilings"] = [overload_ceilings(result["rows"], d, p.name) for p, d in overload.items()]
+        print(json.dumps(doc["ceilings"], indent=1))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,81 @@
+"""The pure parts of bench/engine_batch.py: the window's figures and the ratio's ceiling."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.engine_batch import ceiling, parse_concurrency, quantile, row
+
+
+def test_quantile_is_the_nearest_rank() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert quantile(values, 0.99) == 99.0
+    assert quantile(values, 0.5) == 50.0
+    assert quantile([3.0], 0.99) == 3.0
+    assert quantile([2.0, 1.0], 0.99) == 2.0
+    with pytest.raises(ValueError):
+        quantile([], 0.5)
+
+
+def test_a_window_counts_completions_within_it_and_latencies_of_requests_wholly_inside() -> None:
+    spans = [(0.0, 1.5),   # sent before the window, done inside: a completion, not a latency
+             (1.0, 2.0),   # inside
+             (2.0, 3.5),   # inside
+             (3.0, 5.0)]   # done after the window: neither
+    r = row(2, spans, start=1.0, end=4.0)
+    assert r["completed"] == 3 and r["measured"] == 2
+    assert r["throughput_rps"] == 1.0
+    assert r["e2e_ms_p50"] == 1250.0 and r["e2e_ms_p99"] == 1500.0
+
+
+def test_a_window_with_nothing_measured_is_an_error() -> None:
+    with pytest.raises(ValueError, match="no request"):
+        row(1, [(0.0, 5.0)], start=1.0, end=4.0)
+    with pytest.raises(ValueError, match="empty window"):
+        row(1, [(0.0, 1.0)], start=2.0, end=2.0)
+
+
+ROWS = [
+    {"concurrency": 1, "throughput_rps": 2.5, "e2e_ms_p50": 380.0, "e2e_ms_p99": 420.0},
+    {"concurrency": 8, "throughput_rps": 10.0, "e2e_ms_p50": 800.0, "e2e_ms_p99": 950.0},
+    {"concurrency": 16, "throughput_rps": 14.0, "e2e_ms_p50": 1100.0, "e2e_ms_p99": 1400.0},
+]
+
+
+@pytest.mark.parametrize(
+    ("served", "concurrency", "p99_ceiling", "p50_ceiling"),
+    [
+        (2.0, 1, 16.67, 18.42),    # a light load: one request in flight carries it
+        (10.0, 8, 7.37, 8.75),     # exactly the rate of 8 in flight
+        (12.0, 16, 5.0, 6.36),     # past 8's rate: the next measured concurrency
+        (14.5, None, None, None),  # more than any measured concurrency completed: no bound
+    ],
+)
+def test_the_ceiling_is_pinned0_p99_over_the_engine_alone_at_the_lowest_concurrency_that_carries_the_rate(
+        served: float, concurrency: int | None, p99_ceiling: float | None, p50_ceiling: float | None) -> None:
+    c = ceiling(ROWS, served, pinned0_p99_ms=7000.0)
+    assert c["concurrency"] == concurrency
+    assert c["ratio_ceiling_p99"] == p99_ceiling and c["ratio_ceiling_p50"] == p50_ceiling
+
+
+def test_the_concurrency_list_is_checked() -> None:
+    assert parse_concurrency("1, 4,16") == [1, 4, 16]
+    for bad in ("", "1,x", "0,4"):
+        with pytest.raises(SystemExit, match="--concurrency"):
+            parse_concurrency(bad)
+
+
+def test_an_overload_result_gets_a_ceiling_per_adaptive_run_at_1_5x() -> None:
+    from bench.engine_batch import overload_ceilings
+
+    def run(name: str, rps: float, p99: float) -> dict:
+        return {"name": name, "overall": {"throughput_rps": rps, "e2e_ms": {"p99": p99}}}
+
+    doc = {"runs": [run("pinned0 @1.5x", 12.0, 7000.0), run("adaptive @1.5x", 9.0, 1200.0),
+                    run("adaptive @1.5x standard", 13.0, 1500.0), run("adaptive @3x", 14.0, 1700.0)]}
+    c = overload_ceilings(ROWS, doc, "f.json")
+    assert c["pinned0_p99_ms"] == 7000.0
+    assert c["adaptive @1.5x"]["concurrency"] == 8 and c["adaptive @1.5x"]["measured_ratio"] == 5.83
+    assert c["adaptive @1.5x standard"]["ratio_ceiling_p99"] == 5.0
+    with pytest.raises(SystemExit, match="pinned0 @1.5x"):
+        overload_ceilings(ROWS, {"runs": doc["runs"][1:]}, "g.json")
