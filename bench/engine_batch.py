@@ -20,7 +20,11 @@ adaptive p99 >= 5". Carrying a rate takes at least the concurrency at which the 
 completes that rate, and a request then takes at least what it takes the engine alone there
 (the service only adds to it). So `ceiling` gives, for a rate served and pinned level 0's p99,
 the highest that ratio can be: pinned-0 p99 over the engine alone's p99 at the lowest
-concurrency that carries the rate (and over its median, a looser bound).
+concurrency that carries the rate (and over its median, a looser bound). And `frontier` asks
+whether any door could meet both at the rate the standard-only run was offered: a simulated
+door with a waiting room of fixed size in front of the engine's measured speeds, no serving
+overhead and no spread of step times (the best case), the share within the SLO against the
+ratio, room by room.
 """
 
 from __future__ import annotations
@@ -84,9 +88,11 @@ def ceiling(rows: Sequence[Mapping[str, Any]], served_rps: float, pinned0_p99_ms
             "ratio_ceiling_p50": round(pinned0_p99_ms / r["e2e_ms_p50"], 2)}
 
 
-def overload_ceilings(rows: Sequence[Mapping[str, Any]], doc: Mapping[str, Any], name: str) -> dict[str, Any]:
+def overload_ceilings(rows: Sequence[Mapping[str, Any]], doc: Mapping[str, Any], name: str,
+                      slots: int | None = None) -> dict[str, Any]:
     """`ceiling` for an overload-benchmark result: at 1.5 x C0, for the adaptive runs (the mix and
-    standard only) at the rate each served, against that file's pinned level 0's p99."""
+    standard only) at the rate each served, against that file's pinned level 0's p99; with the
+    engine's batch (``slots``), also the `frontier` at the standard-only run's offered rate."""
     from bench.overload import ONE_CLASS_SUFFIX, _find
 
     pinned = _find(doc["runs"], "pinned0 @1.5x")
@@ -99,7 +105,77 @@ def overload_ceilings(rows: Sequence[Mapping[str, Any]], doc: Mapping[str, Any],
         if found is not None:
             o = found["overall"]
             out[run] = {**ceiling(rows, o["throughput_rps"], p99), "measured_ratio": round(p99 / o["e2e_ms"]["p99"], 2)}
+    one = _find(doc["runs"], f"adaptive @1.5x{ONE_CLASS_SUFFIX}")
+    if one is not None and slots:
+        slo_s = float(doc["meta"]["slo"]["p99_e2e_ms"]) / 1000
+        out["frontier at the standard-only run's offered rate"] = frontier(
+            rows, one["overall"]["offered_rps"], p99, slots, slo_s)
     return out
+
+
+def latency_at(rows: Sequence[Mapping[str, Any]], n: float) -> float:
+    """The engine alone's median latency (s) with ``n`` in flight: linear between measured
+    concurrencies, the nearest measured one outside them."""
+    pts = sorted((r["concurrency"], r["e2e_ms_p50"] / 1000) for r in rows)
+    if n <= pts[0][0]:
+        return pts[0][1]
+    for (a, la), (b, lb) in zip(pts, pts[1:]):
+        if a <= n <= b:
+            return la + (lb - la) * (n - a) / (b - a)
+    return pts[-1][1]
+
+
+def simulate_door(rows: Sequence[Mapping[str, Any]], rate_rps: float, waiting_room: int, slots: int,
+                  slo_s: float, horizon_s: float = 20000.0, seed: int = 1) -> dict[str, float]:
+    """The best a door can do with a fixed waiting room, on the engine alone's speeds: Poisson
+    arrivals at ``rate_rps``; up to ``slots`` run at once and share the engine (with ``n`` running,
+    each completes ``1 / latency_at(n)`` of its work per second, so ``n`` started together take
+    the measured median); up to ``waiting_room`` more wait, first come first served, for a slot;
+    the rest are refused on arrival. No serving overhead and no spread of step times: a real
+    service only adds to the latencies. Returns the share refused, the admitted requests' p99
+    (s) and the share of all requests answered within ``slo_s``."""
+    rng = random.Random(seed)
+    t, next_arrival = 0.0, rng.expovariate(rate_rps)
+    running: list[list[float]] = []  # [work left, arrival time]
+    waiting: list[float] = []
+    latencies: list[float] = []
+    refused = arrived = 0
+    while t < horizon_s:
+        speed = 1.0 / latency_at(rows, len(running)) if running else 0.0
+        to_done = min(r[0] for r in running) / speed if running else float("inf")
+        step = min(next_arrival - t, to_done)
+        for r in running:
+            r[0] -= speed * step
+        t += step
+        if next_arrival <= t:
+            arrived += 1
+            if len(running) < slots:
+                running.append([1.0, t])
+            elif len(waiting) < waiting_room:
+                waiting.append(t)
+            else:
+                refused += 1
+            next_arrival = t + rng.expovariate(rate_rps)
+        else:
+            latencies += [t - r[1] for r in running if r[0] <= 1e-9]
+            running = [r for r in running if r[0] > 1e-9]
+            while waiting and len(running) < slots:
+                running.append([1.0, waiting.pop(0)])
+    return {"refused": refused / arrived, "p99_s": quantile(latencies, 0.99),
+            "within_slo": sum(1 for x in latencies if x <= slo_s) / arrived}
+
+
+def frontier(rows: Sequence[Mapping[str, Any]], rate_rps: float, pinned0_p99_ms: float, slots: int, slo_s: float,
+             rooms: Sequence[int] = (0, 1, 2, 3, 4, 6, 8, 12, 16)) -> dict[str, Any]:
+    """`simulate_door` for each waiting room: the trade between the share answered within the SLO
+    and pinned-0 p99 / p99; ``both`` says whether any room gives >= 95% within and a ratio >= 5."""
+    points = []
+    for room in rooms:
+        sim = simulate_door(rows, rate_rps, room, slots, slo_s)
+        points.append({"waiting_room": room, "refused": round(sim["refused"], 4), "within_slo": round(sim["within_slo"], 4),
+                       "p99_ms": round(1000 * sim["p99_s"], 1), "ratio": round(pinned0_p99_ms / (1000 * sim["p99_s"]), 2)})
+    return {"rate_rps": rate_rps, "pinned0_p99_ms": pinned0_p99_ms, "points": points,
+            "both": any(p["within_slo"] >= 0.95 and p["ratio"] >= 5 for p in points)}
 
 
 def parse_concurrency(text: str) -> list[int]:
@@ -210,7 +286,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "wall_s": round(time.monotonic() - t0, 1)},
            "max_tokens": args.max_tokens, "seconds_per_concurrency": args.seconds, **result}
     if overload:
-        doc["ceilings"] = [overload_ceilings(result["rows"], d, p.name) for p, d in overload.items()]
+        doc["ceilings"] = [overload_ceilings(result["rows"], d, p.name, result["engine"]["max_num_seqs"])
+                           for p, d in overload.items()]
         print(json.dumps(doc["ceilings"], indent=1))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

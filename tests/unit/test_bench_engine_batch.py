@@ -79,3 +79,36 @@ def test_an_overload_result_gets_a_ceiling_per_adaptive_run_at_1_5x() -> None:
     assert c["adaptive @1.5x standard"]["ratio_ceiling_p99"] == 5.0
     with pytest.raises(SystemExit, match="pinned0 @1.5x"):
         overload_ceilings(ROWS, {"runs": doc["runs"][1:]}, "g.json")
+
+
+def test_latency_between_measured_concurrencies_is_linear_and_flat_outside() -> None:
+    from bench.engine_batch import latency_at
+
+    assert latency_at(ROWS, 1) == 0.38 and latency_at(ROWS, 0.5) == 0.38
+    assert latency_at(ROWS, 12) == pytest.approx(0.95)
+    assert latency_at(ROWS, 20) == 1.1
+
+
+def test_the_simulated_door_trades_refusals_for_latency() -> None:
+    from bench.engine_batch import simulate_door
+
+    light = simulate_door(ROWS, 1.0, 0, 16, slo_s=2.0, horizon_s=2000)
+    assert light["refused"] < 0.001 and light["within_slo"] > 0.99  # 1 req/s on 16 slots: nobody waits
+    # one slot and no waiting room, an M/G/1/1 loss system: refused = A / (1 + A), A = rate x 0.38 s
+    alone = simulate_door(ROWS, 1.0, 0, 1, slo_s=2.0, horizon_s=20000)
+    assert alone["refused"] == pytest.approx(0.38 / 1.38, abs=0.01)
+    assert alone["p99_s"] == pytest.approx(0.38)
+    rooms = [simulate_door(ROWS, 14.0, w, 16, slo_s=2.0, horizon_s=3000) for w in (0, 4, 12)]
+    assert rooms[0]["refused"] > rooms[1]["refused"] > rooms[2]["refused"]
+    assert rooms[0]["p99_s"] < rooms[1]["p99_s"] < rooms[2]["p99_s"]
+
+
+def test_the_frontier_says_whether_any_waiting_room_meets_both() -> None:
+    from bench.engine_batch import frontier
+
+    # far below capacity nobody waits or is refused: p99 is 16 in flight's at most
+    easy = frontier(ROWS, 2.0, pinned0_p99_ms=7000.0, slots=16, slo_s=2.0, rooms=(0, 4))
+    assert easy["both"] is True
+    # pinned level 0 barely slower than the engine alone: no door makes the ratio 5
+    hard = frontier(ROWS, 13.0, pinned0_p99_ms=2000.0, slots=16, slo_s=2.0, rooms=(0, 4))
+    assert hard["both"] is False and all(p["ratio"] < 5 for p in hard["points"])
