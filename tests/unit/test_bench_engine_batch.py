@@ -107,8 +107,20 @@ def test_the_frontier_says_whether_any_waiting_room_meets_both() -> None:
     from bench.engine_batch import frontier
 
     # far below capacity nobody waits or is refused: p99 is 16 in flight's at most
-    easy = frontier(ROWS, 2.0, pinned0_p99_ms=7000.0, slots=16, slo_s=2.0, rooms=(0, 4))
+    easy = frontier(ROWS, 2.0, pinned0_p99_ms=7000.0, slots=16, slo_s=2.0, rooms=(0, 4), horizon_s=1000)
     assert easy["both"] is True
     # pinned level 0 barely slower than the engine alone: no door makes the ratio 5
-    hard = frontier(ROWS, 13.0, pinned0_p99_ms=2000.0, slots=16, slo_s=2.0, rooms=(0, 4))
+    hard = frontier(ROWS, 13.0, pinned0_p99_ms=2000.0, slots=16, slo_s=2.0, rooms=(0, 4), horizon_s=1000)
     assert hard["both"] is False and all(p["ratio"] < 5 for p in hard["points"])
+
+
+def test_the_model_capacity_grows_with_the_slo_and_both_items_hold_only_below_it() -> None:
+    from bench.engine_batch import highest_rate_meeting_both, model_capacity
+
+    tight = model_capacity(ROWS, 16, slo_s=1.5, horizon_s=800)
+    loose = model_capacity(ROWS, 16, slo_s=3.0, horizon_s=800)
+    assert 0 < tight < loose <= 14.0 * 1.5
+    # a pinned level 0 no slower than one request alone: the ratio is never 5
+    assert highest_rate_meeting_both(ROWS, 16, 2.0, pinned0_p99_ms=1000.0, step_rps=2.0, horizon_s=500) is None
+    both = highest_rate_meeting_both(ROWS, 16, 2.0, pinned0_p99_ms=7000.0, step_rps=2.0, horizon_s=500)
+    assert both is not None and 2.0 <= both <= model_capacity(ROWS, 16, 2.0, horizon_s=800) + 2.0
