@@ -300,7 +300,7 @@ async def measure(concurrency: Sequence[int], seconds: float, warm_s: float, max
                                         "front_end_cpus": list(placement.service) if placement else None,
                                         "why": why, "engine_processes_bound": len(cores)},
             "engine": {k: m[k] for k in ("max_num_seqs", "max_model_len", "enforce_eager", "kv_cache_space_gib")},
-            "dtype_in_use": engine_dtype(m.get("dtype", "auto"))}
+            "dtype_in_use": engine_dtype(m.get("dtype", "auto")), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
