@@ -116,6 +116,12 @@ def test_model_autoscales_while_the_policy_degrades_and_recovers(deployed: Clust
     out = deployed.serve_deploy(autoscaled_config(deployed), "autoscaled.yaml")
     assert out.returncode == 0, out.stderr + out.stdout
     wait_running()
+    # what Serve runs: its replicas and handles push every metrics_interval_s (Ray 2.60)
+    from ray.dashboard.modules.serve.sdk import ServeSubmissionClient  # `serve deploy`'s client: the token too
+
+    details = ServeSubmissionClient(deployed.dashboard_url).get_serve_details()
+    serve_auto = details["applications"]["brownout"]["deployments"]["VLLMModel"]["deployment_config"]["autoscaling_config"]
+    assert (serve_auto["metrics_interval_s"], serve_auto["look_back_period_s"]) == (1, 3), serve_auto
     wait_for("one model replica running", lambda: running(model_replicas()) == 1, 300, 2)
     ray.get(policy_actor().clear_override.remote(level=True), timeout=30)
     wait_for("level 0 before the load", lambda: actor_state()["level"] == 0, 180, 1)
