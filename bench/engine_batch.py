@@ -1,6 +1,7 @@
 """The vLLM engine alone, at a fixed number of requests in flight: what no admission rule can beat.
 
     .venv/bin/python bench/engine_batch.py [--concurrency 1,2,4,8,12,16] [--seconds 15] [--out F]
+        [--enforce-eager config|true|false]
 
 One `AsyncLLM` with the engine settings of ``serve_config.yaml``'s model args (the embedded model,
 ``max_num_seqs``, ``max_model_len``, ``enforce_eager``, dtype as `deployments.engine.engine_dtype`
@@ -14,6 +15,8 @@ new one at its next step); ``--seconds`` are measured after ``--warm-s`` at that
 request is a chat prompt of the overload benchmark's kind (`bench.loadgen.make_prompt`, new
 each time, rendered with the model's chat template) answered with exactly ``--max-tokens`` tokens
 (``ignore_eos``). Per concurrency: completions per second and the latencies' median and p99.
+``--enforce-eager true|false`` runs the engine eager or compiled instead of as serve_config.yaml
+says, to compare the two modes on the same engine (run both, back to back, in either order).
 
 Why: the overload benchmark asks at 1.5 x C0 for both ">= 95% within the SLO" and "pinned-0 p99 /
 adaptive p99 >= 5". Carrying a rate takes at least the concurrency at which the engine alone
@@ -237,7 +240,8 @@ def engine_args() -> dict[str, Any]:
     return dict(config["applications"][0]["args"]["model"])
 
 
-async def measure(concurrency: Sequence[int], seconds: float, warm_s: float, max_tokens: int) -> dict[str, Any]:
+async def measure(concurrency: Sequence[int], seconds: float, warm_s: float, max_tokens: int,
+                  enforce_eager: bool | None = None) -> dict[str, Any]:
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -248,6 +252,8 @@ async def measure(concurrency: Sequence[int], seconds: float, warm_s: float, max
     from deployments.tiny_model import ensure_tiny_model
 
     m = engine_args()
+    if enforce_eager is not None:  # --enforce-eager: the other engine mode than serve_config's, to compare
+        m["enforce_eager"] = enforce_eager
     if m["source"] != "embedded:tiny":
         raise SystemExit(f"model.source={m['source']!r}: this benchmark runs the embedded model only")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(m["kv_cache_space_gib"]))
@@ -307,6 +313,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=15.0, help="measured seconds per concurrency")
     ap.add_argument("--warm-s", type=float, default=3.0, help="unmeasured seconds before each")
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--enforce-eager", choices=("config", "true", "false"), default="config",
+                    help="the engine eager (true) or compiled (false); default: serve_config.yaml's")
     ap.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
     ap.add_argument("--overload", type=Path, nargs="*", default=[],
                     help="overload-benchmark results: the ceiling of pinned-0 p99 / adaptive p99 at 1.5 x C0 for each")
@@ -322,7 +330,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     code = provenance.code_state()
     t0 = time.monotonic()
-    result = asyncio.run(measure(concurrency, args.seconds, args.warm_s, args.max_tokens))
+    eager = None if args.enforce_eager == "config" else args.enforce_eager == "true"
+    result = asyncio.run(measure(concurrency, args.seconds, args.warm_s, args.max_tokens, eager))
     doc = {"meta": {"command": provenance.command_line("bench/engine_batch.py", sys.argv[1:] if argv is None else argv),
                     "code_commit": code["commit"], "uncommitted": code["uncommitted"],
                     "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(),

@@ -2,8 +2,8 @@
 
     python bench/overhead.py [--requests 60] [--max-tokens 16] [--no-stream] [--out bench/results/overhead.json]
 
-Three apps run in one Ray cluster on the same tiny model folder with the same engine settings
-(max_num_seqs, max_model_len, enforce_eager, dtype, seed, 1 GiB KV cache):
+Three apps run in one Ray cluster on the same tiny model folder with the same engine settings,
+serve_config.yaml's (max_num_seqs, max_model_len, enforce_eager, dtype; seed 0, 1 GiB KV cache):
 
 - ``builtin``: Ray's ``build_openai_app`` (LLMServer + OpenAiIngress);
 - ``core``: Brownout's core path: its ingress and VLLMModel, no enrichment deployments (what
@@ -59,7 +59,11 @@ from bench import provenance  # noqa: E402
 from bench.loadgen import RequestRecord, stream_one  # noqa: E402
 from deployments.engine import engine_dtype  # noqa: E402
 
-ENGINE = {"max_num_seqs": 16, "max_model_len": 1024, "enforce_eager": True, "dtype": "auto", "seed": 0}
+from bench.engine_batch import engine_args  # noqa: E402
+
+_MODEL = engine_args()  # serve_config.yaml's model args: the engine settings all three apps get
+ENGINE = {"max_num_seqs": _MODEL["max_num_seqs"], "max_model_len": _MODEL["max_model_len"],
+          "enforce_eager": _MODEL["enforce_eager"], "dtype": _MODEL.get("dtype", "auto"), "seed": 0}
 MODEL_NAME = "brownout-tiny"
 
 

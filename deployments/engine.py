@@ -72,7 +72,11 @@ class EngineSettings(BaseModel):
         default=1024, ge=16, description="Most tokens (prompt + completion) per sequence."
     )
     enforce_eager: bool = Field(
-        default=True, description="Skip torch.compile / CUDA graphs: fast start, a bit slower."
+        default=False,
+        description="Skip torch.compile (and CUDA graphs on a GPU): the engine starts at once "
+        "instead of compiling (about 30 s on 2 CPU cores the first time; later starts load the "
+        "compiled model from vLLM's cache), and runs slower (the embedded model on CPU: 15-30% "
+        "fewer requests per second, bench/RESULTS.md). False is vLLM's default.",
     )
     kv_cache_space_gib: int = Field(
         default=1,

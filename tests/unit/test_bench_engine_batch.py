@@ -61,6 +61,23 @@ def test_the_concurrency_list_is_checked() -> None:
             parse_concurrency(bad)
 
 
+def test_the_engine_mode_is_config_true_or_false(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import engine_batch
+
+    with pytest.raises(SystemExit) as refused:
+        engine_batch.main(["--enforce-eager", "maybe"])
+    assert refused.value.code == 2 and "--enforce-eager" in capsys.readouterr().err
+
+
+def test_the_side_by_side_benchmark_gives_its_engines_serve_configs_settings() -> None:
+    from bench import overhead
+    from bench.engine_batch import engine_args
+
+    model = engine_args()
+    assert {k: overhead.ENGINE[k] for k in ("max_num_seqs", "max_model_len", "enforce_eager")} == {
+        k: model[k] for k in ("max_num_seqs", "max_model_len", "enforce_eager")}
+
+
 def test_an_overload_result_gets_a_ceiling_per_adaptive_run_at_1_5x() -> None:
     from bench.engine_batch import overload_ceilings
 
