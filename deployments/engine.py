@@ -167,6 +167,28 @@ def _cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def compiler_problem(enforce_eager: bool, on_cpu: bool, find_compiler: Callable[[], str]) -> str | None:
+    """Why a compiled engine cannot start here, or None. On a CPU, ``enforce_eager: false`` has
+    torch inductor build the model's kernels with a C++ compiler; without one, vLLM's engine-core
+    process would fail deep in its start. ``find_compiler``: torch's own search
+    (`_find_cpp_compiler`), raising where it finds none."""
+    if enforce_eager or not on_cpu:
+        return None
+    try:
+        find_compiler()
+    except Exception as err:  # noqa: BLE001 - torch's InvalidCxxCompiler, or whatever the search raised
+        return (f"model.enforce_eager=false compiles the model, which on a CPU needs a C++ compiler, "
+                f"and torch found none ({type(err).__name__}: {err}); install g++ (or set CXX to one), "
+                f"or set model.enforce_eager: true to run the engine eager")
+    return None
+
+
+def _find_cpp_compiler() -> str:
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    return get_cpp_compiler()
+
+
 class EngineError(Exception):
     """vLLM could not serve a request for a reason that is not the request's fault.
 
@@ -367,6 +389,11 @@ class LLMEngine:
         """
         if self._engine is not None:
             return
+        from vllm.platforms import current_platform
+
+        problem = compiler_problem(self.settings.enforce_eager, current_platform.is_cpu(), _find_cpp_compiler)
+        if problem:
+            raise RuntimeError(problem)
         self._export_env()
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM

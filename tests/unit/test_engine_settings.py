@@ -1,10 +1,11 @@
-"""The engine's dtype on CPUs: bfloat16 only where the CPU computes it natively."""
+"""The engine's dtype on CPUs: bfloat16 only where the CPU computes it natively; a compiled CPU
+engine needs a C++ compiler, said before vLLM starts."""
 
 from __future__ import annotations
 
 import pytest
 
-from deployments.engine import cpu_dtype
+from deployments.engine import compiler_problem, cpu_dtype
 
 
 @pytest.mark.parametrize(("requested", "flags", "expected"), [
@@ -17,3 +18,25 @@ from deployments.engine import cpu_dtype
 ])
 def test_cpu_dtype(requested: str, flags: set[str], expected: str) -> None:
     assert cpu_dtype(requested, frozenset(flags)) == expected
+
+
+def _found() -> str:
+    return "/usr/bin/g++"
+
+
+def _none() -> str:
+    raise RuntimeError("No working C++ compiler found in torch._inductor.config.cpp.cxx: (None, 'g++')")
+
+
+@pytest.mark.parametrize(("eager", "on_cpu", "find", "refused"), [
+    (False, True, _found, False),  # compiled on a CPU with g++: starts
+    (False, True, _none, True),  # compiled on a CPU without one: said at once
+    (True, True, _none, False),  # eager needs no compiler
+    (False, False, _none, False),  # on a GPU, not asked here
+])
+def test_a_compiled_cpu_engine_needs_a_cpp_compiler(eager: bool, on_cpu: bool, find, refused: bool) -> None:
+    problem = compiler_problem(eager, on_cpu, find)
+    assert (problem is not None) is refused
+    if refused:
+        assert "model.enforce_eager=false" in problem and "No working C++ compiler" in problem
+        assert "model.enforce_eager: true" in problem
