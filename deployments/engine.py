@@ -75,8 +75,9 @@ class EngineSettings(BaseModel):
         default=False,
         description="Skip torch.compile (and CUDA graphs on a GPU): the engine starts at once "
         "instead of compiling (about 30 s on 2 CPU cores the first time; later starts load the "
-        "compiled model from vLLM's cache), and runs slower (the embedded model on CPU: 15-30% "
-        "fewer requests per second, bench/RESULTS.md). False is vLLM's default.",
+        "compiled model from vLLM's cache), and runs slower (the embedded model on CPU, engine "
+        "alone: 14-19% fewer requests per second at 4-16 in flight, one request 1.2 x as long; "
+        "bench/RESULTS.md). False is vLLM's default.",
     )
     kv_cache_space_gib: int = Field(
         default=1,
