@@ -240,6 +240,15 @@ def engine_args() -> dict[str, Any]:
     return dict(config["applications"][0]["args"]["model"])
 
 
+def engine_settings(model: Mapping[str, Any]) -> dict[str, Any]:
+    """The engine settings every benchmark gives its engines, Brownout's and Ray's built-in app's
+    alike, from ``model`` (serve_config.yaml's model args): seed 0, and ``dtype`` as set, where
+    "auto" is left for Brownout to resolve; an engine built directly (the built-in app's, this
+    module's) gets `deployments.engine.engine_dtype` of it, or the comparison is not fair."""
+    return {"max_num_seqs": model["max_num_seqs"], "max_model_len": model["max_model_len"],
+            "enforce_eager": model["enforce_eager"], "dtype": model.get("dtype", "auto"), "seed": 0}
+
+
 async def measure(concurrency: Sequence[int], seconds: float, warm_s: float, max_tokens: int,
                   enforce_eager: bool | None = None) -> dict[str, Any]:
     from vllm import SamplingParams
@@ -257,9 +266,9 @@ async def measure(concurrency: Sequence[int], seconds: float, warm_s: float, max
     if m["source"] != "embedded:tiny":
         raise SystemExit(f"model.source={m['source']!r}: this benchmark runs the embedded model only")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(m["kv_cache_space_gib"]))
+    settings = engine_settings(m)
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
-        model=str(ensure_tiny_model()), max_num_seqs=m["max_num_seqs"], max_model_len=m["max_model_len"],
-        enforce_eager=m["enforce_eager"], dtype=engine_dtype(m.get("dtype", "auto")), seed=0,
+        model=str(ensure_tiny_model()), **{**settings, "dtype": engine_dtype(settings["dtype"])},
         disable_log_stats=True))
     placement, why = cp.plan("auto", cp.node_cpus(), 1)
     cores = cp.children_named(cp.parent_map(), os.getpid(), cp.ENGINE_COMM)

@@ -59,11 +59,9 @@ from bench import provenance  # noqa: E402
 from bench.loadgen import RequestRecord, stream_one  # noqa: E402
 from deployments.engine import engine_dtype  # noqa: E402
 
-from bench.engine_batch import engine_args  # noqa: E402
+from bench.engine_batch import engine_args, engine_settings  # noqa: E402
 
-_MODEL = engine_args()  # serve_config.yaml's model args: the engine settings all three apps get
-ENGINE = {"max_num_seqs": _MODEL["max_num_seqs"], "max_model_len": _MODEL["max_model_len"],
-          "enforce_eager": _MODEL["enforce_eager"], "dtype": _MODEL.get("dtype", "auto"), "seed": 0}
+ENGINE = engine_settings(engine_args())  # serve_config.yaml's: the engine settings all three apps get
 MODEL_NAME = "brownout-tiny"
 
 

@@ -69,6 +69,15 @@ def test_the_engine_mode_is_config_true_or_false(capsys: pytest.CaptureFixture[s
     assert refused.value.code == 2 and "--enforce-eager" in capsys.readouterr().err
 
 
+def test_every_benchmarks_engine_settings_come_from_the_model_args() -> None:
+    from bench.engine_batch import engine_settings
+
+    model = {"source": "embedded:tiny", "max_num_seqs": 8, "max_model_len": 512, "enforce_eager": False}
+    assert engine_settings(model) == {"max_num_seqs": 8, "max_model_len": 512, "enforce_eager": False,
+                                      "dtype": "auto", "seed": 0}
+    assert engine_settings({**model, "dtype": "float32"})["dtype"] == "float32"
+
+
 def test_the_side_by_side_benchmark_gives_its_engines_serve_configs_settings() -> None:
     from bench import overhead
     from bench.engine_batch import engine_args
