@@ -8,8 +8,15 @@ settings at once:
 
 - arrivals: Poisson at ``--rate`` req/s with the benchmark's 20/50/30 critical/standard/sheddable
   mix (``--mix``), after a calm of one request at a time (as the adaptive runs start);
-- the engine: processor sharing, each of ``n`` requests in flight progressing at ``1 /
-  latency(n)`` of its work per second; ``latency`` one of three shapes (``concave``: the shape
+- the engine (``--engine``): ``ps``, processor sharing, each of ``n`` requests in flight
+  progressing at ``1 / latency(n)`` of its work per second, past the batch too (the default, as
+  the results stored before 12-07 were run); or ``priority``, vLLM's scheduler with
+  ``scheduling_policy: priority`` as the service runs it: at most the batch runs, each running
+  request progressing at ``1 / latency(running)``, the rest wait in the order (class, arrival)
+  and start as slots free, so a critical request that arrives later starts before a standard
+  one that waits; one whose deadline has passed before it starts is dropped
+  (`policies.admission.should_drop`, as the model deployment does) and counts as late;
+  ``latency`` one of three shapes (``concave``: the shape
   measured on 2 cores, 0.78 s alone, steep to 4 in flight and nearly flat to the batch of 16;
   ``linear``; ``convex``; ``knee``: the 2-core EPYC of 12-03, measured from the clients' records
   of an adaptive run (each request's latency against the requests in flight over its life): 0.62
@@ -29,8 +36,7 @@ settings at once:
   ``critical_wait_share`` of the SLO for a freed slot, unless critical work alone saturates the
   server: `AdmissionController.saturated_by`); a request is on time when its latency
   plus ``overhead_ms`` (50 ms outside the gate; the door itself assumes its shipped 100 ms) is
-  within the SLO. Preemption is not modelled
-  (the engine starts every admitted request at once).
+  within the SLO. Preemption of waiting requests at the door is not modelled.
 
 Settings compare on common random numbers: a seed fixes the arrivals, their classes, each
 request's work (drawn when it arrives, admitted or not) and the drift, so one setting's decisions
@@ -74,12 +80,13 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.loadgen import parse_mix  # noqa: E402
-from policies.admission import AdmissionController, Criticality, ShareClock  # noqa: E402
+from policies.admission import AdmissionController, Criticality, ShareClock, should_drop  # noqa: E402
 from policies.config import AdmissionConfig, ClassShares, SloConfig  # noqa: E402
 
 CLASSES = tuple(Criticality)
 BATCH = 16
 SHAPES = ("concave", "linear", "convex", "knee")
+ENGINES = ("ps", "priority")
 
 
 def engine_latency(n: float, shape: str = "concave") -> float:
@@ -109,20 +116,29 @@ class Setting:
     critical_wait_share: float = 0.1
     ramp_step: int | None = AdmissionConfig.model_fields["ramp_step"].default  # None: a fifth of the batch
     speed_lag_s: float | None = None  # the slow phase's factor told to the door this late; None: not told
+    overtaken: bool = True  # False: the door as before 12-07, its caps not counting the work that overtakes
+    overtake_sigmas: float | None = None  # None: the controller's (`policies.admission.OVERTAKE_SIGMAS`)
 
     @property
     def label(self) -> str:
         return (f"shares {'/'.join(f'{s:g}' for s in self.shares)}, reserve {self.reserve_quantile:g}, "
                 f"wait {self.critical_wait_share:g}, ramp {'batch/5' if self.ramp_step is None else self.ramp_step}"
-                + ("" if self.speed_lag_s is None else f", speed {self.speed_lag_s:g} s late"))
+                + ("" if self.speed_lag_s is None else f", speed {self.speed_lag_s:g} s late")
+                + ("" if self.overtaken else ", overtaking not counted")
+                + ("" if self.overtake_sigmas is None or not self.overtaken
+                   else f", overtaking at +{self.overtake_sigmas:g} sd"))
 
 
 def simulate(setting: Setting, rate: float, seed: int, scale: float = 1.0, shape: str = "concave",
              seconds: float = 60.0, noise: float = 0.1, drift: float = 0.03, slo_ms: float = 2000.0,
              overhead_ms: float = 50.0, mix: tuple[float, float, float] = (0.2, 0.5, 0.3),
              calm_s: float = 30.0, dt: float = 0.01,
-             slow: tuple[float, float, float] | None = None) -> dict:
-    """One seeded run; counts per class (offered, refused, late, on time) and the door's in flight.
+             slow: tuple[float, float, float] | None = None, engine: str = "ps") -> dict:
+    """One seeded run; counts per class (offered, refused, late, on time; ``dropped``: late ones
+    the engine dropped before starting them) and the door's in flight.
+
+    ``engine``: ``ps`` (processor sharing past the batch) or ``priority`` (at most the batch
+    runs; the rest wait in (class, arrival) order, as vLLM's priority scheduler keeps them).
 
     ``slow``: ``(from_s, to_s, factor)``, the engine ``factor`` times slower from ``from_s`` to
     ``to_s`` into the load (a noisy neighbour); ``after_slow`` then counts the requests sent
@@ -132,6 +148,12 @@ def simulate(setting: Setting, rate: float, seed: int, scale: float = 1.0, shape
     ctl = AdmissionController(slo, AdmissionConfig(overhead_ms=100, reserve_quantile=setting.reserve_quantile,
                                                    critical_wait_share=setting.critical_wait_share,
                                                    ramp_step=setting.ramp_step), slots=BATCH)
+    if setting.overtake_sigmas is not None:
+        ctl.overtake_sigmas = setting.overtake_sigmas
+    if not setting.overtaken:  # the caps as before `AdmissionController.overtaken_caps`: the shares' own
+        ctl.overtaken_caps = lambda now: tuple(ctl.max_admitted(c) for c in CLASSES)  # type: ignore[method-assign]
+    if engine not in ENGINES:
+        raise ValueError(f"engine: unknown {engine!r}; valid: {', '.join(ENGINES)}")
     rng, share, t, speed = random.Random(seed), ShareClock(), 0.0, 1.0
 
     slowed = 1.0
@@ -148,8 +170,9 @@ def simulate(setting: Setting, rate: float, seed: int, scale: float = 1.0, shape
     wait_s = setting.critical_wait_share * slo_s
     arrive, next_drift = t + rng.expovariate(rate), t
     running: list[list] = []  # [arrived, work done, work needed, share mark, class]
+    queued: list[list] = []  # admitted, waiting for the engine's batch (``priority``), in start order
     line: list[tuple[float, float]] = []  # critical requests waiting at a full door: (arrived, work)
-    counts = {c: {"offered": 0, "refused": 0, "late": 0, "on_time": 0} for c in CLASSES}
+    counts = {c: {"offered": 0, "refused": 0, "late": 0, "on_time": 0, "dropped": 0} for c in CLASSES}
     in_flight: list[int] = []
     after_slow = {"offered": 0, "on_time": 0}
     during_slow = {"offered": 0, "refused": 0, "late": 0}
@@ -157,8 +180,26 @@ def simulate(setting: Setting, rate: float, seed: int, scale: float = 1.0, shape
     def slow_at(x: float) -> float:
         return slow[2] if slow is not None and during(x) else 1.0
 
+    def door() -> int:  # admitted and unfinished: what the ingress counts
+        return len(running) + len(queued)
+
     def start_request(arrived: float, work: float, klass: Criticality, now: float) -> None:
-        running.append([arrived, 0.0, work, share.mark(now, len(running) + 1), klass])
+        r = [arrived, 0.0, work, share.mark(now, door() + 1), klass]
+        if engine == "ps" or len(running) < BATCH:
+            running.append(r)
+        else:  # vLLM's waiting queue: by priority, then arrival
+            queued.insert(sum(1 for q in queued if (q[4].rank, q[0]) <= (klass.rank, arrived)), r)
+
+    def start_queued(now: float) -> None:
+        while queued and len(running) < BATCH:
+            r = queued.pop(0)
+            if should_drop(r[0] + slo_s, now):  # past its deadline before it starts: dropped, not computed
+                share.mark(now, door())
+                counts[r[4]]["late"] += 1
+                counts[r[4]]["dropped"] += 1
+                during_slow["late"] += during(r[0])
+                continue
+            running.append(r)
 
     def after(arrived: float) -> bool:
         return slow is not None and arrived - start >= slow[1]
@@ -178,7 +219,7 @@ def simulate(setting: Setting, rate: float, seed: int, scale: float = 1.0, shape
             step = dt / latency(len(running))
             for r in [r for r in running if r[1] + step >= r[2]]:
                 running.remove(r)
-                mark = share.mark(t, len(running))
+                mark = share.mark(t, door())
                 ctl.observe_completion(t, t - r[0], mark - r[3])
                 on_time = t - r[0] + outside_s <= slo_s
                 counts[r[4]]["on_time" if on_time else "late"] += 1
@@ -186,7 +227,8 @@ def simulate(setting: Setting, rate: float, seed: int, scale: float = 1.0, shape
                 during_slow["late"] += (not on_time) and during(r[0])
             for r in running:
                 r[1] += step
-        while line and len(running) < ctl.class_cap(Criticality.CRITICAL, t):  # a freed slot
+            start_queued(t)
+        while line and door() < ctl.class_cap(Criticality.CRITICAL, t):  # a freed slot
             start_request(*line.pop(0), Criticality.CRITICAL, t)
         while line and t - line[0][0] > wait_s:  # waited its share: refused
             during_slow["refused"] += during(line.pop(0)[0])
@@ -197,7 +239,7 @@ def simulate(setting: Setting, rate: float, seed: int, scale: float = 1.0, shape
             counts[klass]["offered"] += 1
             after_slow["offered"] += after(arrive)
             during_slow["offered"] += during(arrive)
-            if ctl.decide(klass, len(running) + len(line), arrive).admitted:
+            if ctl.decide(klass, door() + len(line), arrive).admitted:
                 start_request(arrive, work, klass, arrive)
             elif klass is Criticality.CRITICAL and wait_s > 0 and not ctl.saturated_by(klass, arrive):
                 line.append((arrive, work))
@@ -206,14 +248,15 @@ def simulate(setting: Setting, rate: float, seed: int, scale: float = 1.0, shape
                 during_slow["refused"] += during(arrive)
             arrive += rng.expovariate(rate)
         if start <= t < end:
-            in_flight.append(len(running))
+            in_flight.append(door())
     return {"counts": {c.value: v for c, v in counts.items()}, "in_flight_median": statistics.median(in_flight),
             "seconds": seconds, "after_slow": after_slow, "during_slow": during_slow}
 
 
 def summarize(runs: list[dict]) -> dict:
     """Pooled over seeds: goodput, share of all requests on time, per class on time and shed."""
-    pooled = {c.value: {k: sum(r["counts"][c.value][k] for r in runs) for k in ("offered", "refused", "late", "on_time")}
+    pooled = {c.value: {k: sum(r["counts"][c.value].get(k, 0) for r in runs)
+                        for k in ("offered", "refused", "late", "on_time", "dropped")}
               for c in CLASSES}
     offered = sum(p["offered"] for p in pooled.values())
     on_time = sum(p["on_time"] for p in pooled.values())
@@ -243,6 +286,10 @@ def summarize(runs: list[dict]) -> dict:
         "late_share": round(sum(p["late"] for p in pooled.values()) / max(1, offered), 4),
         "pair_seeds": f"{sum(pair(r) for r in runs)} of {len(runs)}",
         "shed": {c: round(p["refused"] / max(1, p["offered"]), 3) for c, p in pooled.items()},
+        # of the requests the door admitted, per class, the share that finished past the SLO (or
+        # were dropped before the engine started them: ``dropped``)
+        "admitted_late": {c: round(p["late"] / max(1, p["late"] + p["on_time"]), 4) for c, p in pooled.items()},
+        "dropped": sum(p["dropped"] for p in pooled.values()),
         "refused": sum(p["refused"] for p in pooled.values()),
         # runs in which the door refused anything: on the service one refusal raises the level
         "refusal_seeds": f"{sum(any(c['refused'] for c in r['counts'].values()) for r in runs)} of {len(runs)}",
@@ -287,6 +334,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--speed-lag", type=float, action="append", default=None, metavar="S",
                     help="tell the door the slow phase's factor S seconds late (repeat to compare; "
                     "a negative S: not told, the default)")
+    ap.add_argument("--engine", default="ps", choices=ENGINES,
+                    help="ps: processor sharing past the batch (the results stored before 12-07); "
+                         "priority: the batch runs, the rest wait in (class, arrival) order, as vLLM's priority scheduler")
+    ap.add_argument("--overtaken", action="append", default=None, choices=("on", "off"),
+                    help="whether the door's caps count the more important work that overtakes a waiting "
+                         "request (`AdmissionController.overtaken_caps`; repeat to compare; default on)")
+    ap.add_argument("--overtake-sigmas", type=float, action="append", default=None,
+                    help="standard deviations of the overtaking arrivals the caps count (repeat to compare; "
+                         "default: policies.admission.OVERTAKE_SIGMAS)")
     ap.add_argument("--seconds", type=float, default=60.0, help="seconds of load")
     ap.add_argument("--seeds", type=int, default=8)
     ap.add_argument("--mix", default="20/50/30", metavar="C/S/D",
@@ -298,7 +354,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     default_ramp = Setting().ramp_step
     settings = [Setting(shares=tuple(float(x) for x in s.split(",")), reserve_quantile=q,  # type: ignore[arg-type]
-                        ramp_step=g, speed_lag_s=None if lag < 0 else lag)
+                        ramp_step=g, speed_lag_s=None if lag < 0 else lag, overtaken=o == "on",
+                        overtake_sigmas=z)
+                for o in (args.overtaken or ["on"])
+                # the sigmas apply only where overtaking is counted: one row without it
+                for z in ((args.overtake_sigmas or [None]) if o == "on" else [None])
                 for s in (args.shares or [",".join(map(str, DEFAULT_SHARES))])
                 for q in (args.reserve_quantile or [0.99])
                 for g in (args.ramp_step or [default_ramp]) for lag in (args.speed_lag or [-1.0])]
@@ -324,9 +384,10 @@ def main(argv: list[str] | None = None) -> int:
         shape = shape or args.shape
         for s in settings:
             runs = [simulate(s, rate, seed, scale=scale, shape=shape, noise=args.noise, drift=args.drift,
-                             calm_s=args.calm_s, seconds=args.seconds, slow=slow, mix=mix)
+                             calm_s=args.calm_s, seconds=args.seconds, slow=slow, mix=mix, engine=args.engine)
                     for seed in range(1, args.seeds + 1)]
-            row = {"scenario": name, "rate": rate, "scale": scale, "shape": shape, "setting": s.label,
+            row = {"scenario": name, "rate": rate, "scale": scale, "shape": shape, "engine": args.engine,
+                   "setting": s.label,
                    **summarize(runs)}
             results.append(row)
             print(f"{name:>18}  {s.label:42}  goodput {row['goodput_rps']:5.2f}  within {row['within_slo']:.3f}  "
@@ -334,13 +395,14 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['critical_late']} late of {row['critical_offered']})  late {row['late_share']:.3f}  "
                   f"pair {row['pair_seeds']}  "
                   f"shed {row['shed']}  refused {row['refused']} (in {row['refusal_seeds']} seeds)  "
-                  f"in flight {row['in_flight_median']:g}"
+                  f"in flight {row['in_flight_median']:g}  admitted late {row['admitted_late']} "
+                  f"(dropped {row['dropped']})"
                   + (f"  after the slow phase {row['after_slow_within']:.3f}, during it refused "
                      f"{row['during_slow_refused']:.3f} late {row['during_slow_late']:.3f}" if slow else ""))
     if args.json:
         meta = {"command": "bench/door_sim.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                 "seeds": args.seeds, "noise": args.noise, "drift": args.drift, "calm_s": args.calm_s,
-                "seconds": args.seconds, "slow": args.slow, "mix": args.mix,
+                "seconds": args.seconds, "slow": args.slow, "mix": args.mix, "engine": args.engine,
                 "model": "see bench/door_sim.py",
                 "days": {day: note for day, (note, _, _, _) in DAYS.items()}}
         args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")

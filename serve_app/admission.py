@@ -378,6 +378,12 @@ class AdmissionGate:
         elif d.limited_by == "shut_out":
             why = (f"{klass} requests are shed while more important work alone arrives as fast as the "
                    "service completes requests")
+        elif d.limited_by == "overtaken" and self.controller is not None:
+            ctl = self.controller
+            why = (f"{klass} requests are admitted only while predicted to finish within "
+                   f"{ctl.share_limit_s(d.criticality):.1f} s, class_share.{klass} ({ctl.share(d.criticality):g}) "
+                   f"of the {ctl.e2e_s:g} s objective's budget, counting the more important requests that "
+                   "arrive while one waits for the model and start before it")
         elif d.limited_by == "ramp" and self.controller is not None:
             step = self.controller.ramp_step
             why = (f"{klass} requests are admitted up to {step} request{'s' if step != 1 else ''} above the "
@@ -447,6 +453,9 @@ class AdmissionGate:
             # (`AdmissionController.set_speed`)
             "engine_slowdown": None if ctl is None else round(ctl.measured_slowdown, 3),
             "slowdown_applied": None if ctl is None else round(ctl.slowdown, 3),
+            # each class's share's cap counting the more important work that would start before it
+            # while it waits for a slot (`AdmissionController.overtaken_caps`)
+            "overtaken_cap": None if ctl is None else {c.value: ctl.overtaken_cap(c, now) for c in Criticality},
             "reserved": None if ctl is None else {c.value: ctl.reserve(c, now) for c in Criticality},
             # the measured latency's 0.99 quantile over the model's prediction, and the limit it sets
             # the classes below critical (`AdmissionController.tail_limit`)

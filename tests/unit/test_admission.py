@@ -1181,8 +1181,13 @@ def _offer(ctl: AdmissionController, rates: dict[Criticality, float], until: flo
         ctl.decide(klass, 0, t)
 
 
+# A batch above every cap (20, 16, 12): nothing waits for a slot, so nothing overtakes a request
+# (`overtaken_caps`), and the room kept is reservation's alone; the same line, so the same caps.
+WIDE = 32
+
+
 def test_no_critical_traffic_reserves_nothing() -> None:
-    ctl = controller(settings_=RESERVING)
+    ctl = controller(settings_=RESERVING, slots=WIDE)
     _offer(ctl, {S: 5.0}, 30.0)
     assert ctl.reserve(S, 30.0) == 0 and ctl.class_cap(S, 30.0) == 16  # the share's cap, as without it
     assert ctl.decide(S, 16, 30.0).limited_by == "share"  # refused by its share, kept for no one
@@ -1194,7 +1199,7 @@ def test_no_critical_traffic_reserves_nothing() -> None:
 def test_measured_critical_demand_keeps_room_below_critical_cap() -> None:
     from policies.admission import reserved_limits
 
-    ctl = controller(settings_=RESERVING)
+    ctl = controller(settings_=RESERVING, slots=WIDE)
     _offer(ctl, {C: 8.0, S: 3.0}, 60.0)  # 8 critical/s and 3 standard/s, the server completes 10/s
     at = 60.5  # past the last computation's refresh
     rates = [a.peak(at) for a in ctl._arrivals]  # the larger of the long and the fast estimate
@@ -1603,7 +1608,7 @@ def test_while_critical_work_arrives_the_classes_below_leave_it_room_at_its_tail
     prediction times the measured 0.99 quantile meets critical's budget, while they all arrive
     fast enough to refill the door at that limit; with no critical work, the spread changes
     nothing."""
-    ctl = controller(settings_=RESERVING)
+    ctl = controller(settings_=RESERVING, slots=WIDE)  # nothing waits for a slot: the tail's limit alone
     _spread_completions(ctl, 0.2, 30.0)
     factor = ctl.tail_factor
     assert 1.4 < factor < 1.8
@@ -1617,7 +1622,7 @@ def test_while_critical_work_arrives_the_classes_below_leave_it_room_at_its_tail
     _offer(ctl, {C: 0.4 * refill, S: refill, D: 0.6 * refill}, 90.0, start=60.0)
     assert ctl.class_cap(S, 90.0) <= limit
     assert ctl.class_cap(D, 90.0) < ctl.class_cap(S, 90.0)  # room kept for standard within the limit: order holds
-    assert ctl.reserve(S, 90.0) >= ctl.max_admitted(S) - limit
+    assert ctl.overtaken_cap(S, 90.0) == ctl.max_admitted(S) and ctl.reserve(S, 90.0) >= ctl.max_admitted(S) - limit
     assert ctl.class_cap(C, 90.0) == ctl.max_admitted(C)  # critical's own cap is its share's
     refused = ctl.decide(S, limit, 90.0)
     assert not refused.admitted and refused.status == 429 and refused.limited_by == "reserve"
@@ -1659,7 +1664,8 @@ def test_no_spread_and_no_room_kept_leave_no_tail_limit() -> None:
     off = controller()  # reserve_quantile 0: no room kept for anyone, this limit included
     _spread_completions(off, 0.2, 30.0)
     _offer(off, {C: 1.0, S: 3.0}, 60.0, start=30.0)
-    assert off.tail_limit is not None and off.class_cap(S, 60.0) == off.max_admitted(S)
+    # only what overtakes standard past the batch lowers its cap (`overtaken_caps`), not the tail
+    assert off.tail_limit is not None and off.class_cap(S, 60.0) == off.overtaken_cap(S, 60.0) > off.tail_limit
 
 
 def test_within_the_tail_limit_standard_keeps_room_from_sheddable_where_their_shares_are_equal() -> None:
@@ -1981,3 +1987,96 @@ def test_slowed_model_reads_the_model_slower() -> None:
     assert slowed.latency_s(3) == pytest.approx(2.0 * model.latency_s(3))
     assert slowed.max_within(2.0) == model.max_within(1.0)
     assert slowed.rate_per_s == pytest.approx(model.rate_per_s / 2.0)
+
+
+@pytest.mark.parametrize("name, full_s, limit_s, above, expected", [
+    ("nothing arrives above: the share's limit", 0.8, 1.6, 0.0, 1.6),
+    ("above at half the server's rate: half the wait", 0.8, 1.6, 5.0, 1.2),
+    ("above at a fifth: four fifths of the wait", 0.8, 1.8, 2.0, 1.6),
+    ("above as fast as the server: no wait at all", 0.8, 1.6, 10.0, 0.8),
+    ("above faster than the server: still a slot free now", 0.8, 1.6, 14.0, 0.8),
+    ("a limit within the batch: unchanged (it starts at once)", 0.8, 0.6, 5.0, 0.6),
+])
+def test_overtaken_within_counts_the_slots_the_classes_above_take(
+        name: str, full_s: float, limit_s: float, above: float, expected: float) -> None:
+    from policies.admission import overtaken_within_s
+
+    assert overtaken_within_s(full_s, limit_s, above, 10.0) == pytest.approx(expected), name
+
+
+@pytest.mark.parametrize("name, above, sigmas, expected", [
+    # full 0.8 s, limit 1.6 s (0.8 s of wait), 10 slots free per second
+    ("at the mean: 4 of 8 slots overtaken, 4 in line", 5.0, 0.0, 1.2),
+    ("one sd more: 4 + 2 overtaken, 2 in line", 5.0, 1.0, 1.0),
+    ("two sd: 4 + 4 overtaken, none in line", 5.0, 2.0, 0.8),
+    ("three sd: no wait at all, never below the batch", 5.0, 3.0, 0.8),
+    ("nothing above: no margin either", 0.0, 1.0, 1.6),
+    ("a fifth: 1.6 + 1.26 of the 8 freed slots overtaken", 2.0, 1.0, 0.8 + (8 - 1.6 - math.sqrt(1.6)) / 10),
+])
+def test_the_overtaking_arrivals_are_counted_with_their_noise(
+        name: str, above: float, sigmas: float, expected: float) -> None:
+    from policies.admission import overtaken_within_s
+
+    assert overtaken_within_s(0.8, 1.6, above, 10.0, sigmas) == pytest.approx(expected), name
+
+
+def test_a_lower_class_past_the_batch_counts_the_critical_work_that_starts_before_it() -> None:
+    """vLLM's priority scheduler starts waiting critical requests before waiting standard ones.
+    With a batch of 8 at 10 requests/s (0.8 s for a full batch) and critical work arriving at
+    5/s, a standard request past the batch gets slots at 5/s, not 10/s: the k-th in line waits
+    k / 5 s, so within standard's 1.6 s it may be at most 4 in line (12 in flight), not 8 (16)."""
+    ctl = controller()  # no room kept, no ramp: the rule alone
+    ctl.overtake_sigmas = 0.0  # at the mean (the shipped margin: below)
+    assert [ctl.overtaken_cap(k, 0.0) for k in (C, S, D)] == [20, 16, 12]  # nothing arrives
+    _offer(ctl, {C: 5.0}, 30.0)
+    at = 30.1
+    assert ctl.overtaken_cap(C, at) == ctl.class_cap(C, at) == 20  # critical's own cap is its share's
+    cap = ctl.class_cap(S, at)
+    assert cap == ctl.overtaken_cap(S, at) == 12
+    full, lam, mu = ctl.model.latency_s(8), 5.0, ctl.rate_per_s
+    assert full + (cap - 8) / (mu - lam) <= 1.6 + 1e-9 < full + (cap + 1 - 8) / (mu - lam)
+    assert ctl.decide(S, cap - 1, at).admitted
+    refused = ctl.decide(S, cap, at)
+    assert not refused.admitted and refused.status == 429 and refused.limited_by == "overtaken"
+    assert ctl.decide(S, 16, at).limited_by == "share"  # at its share's cap, the share alone
+    assert ctl.decide(C, cap, at).admitted
+    # sheddable: critical work and the standard work admitted both overtake it (1.2 s, 0.8 s in the batch)
+    assert ctl.overtaken_cap(D, at) == ctl.model.max_within(0.8 + 0.4 * (1 - 5.0 / 10.0)) == 10
+    # the shipped margin: critical arrivals at their mean plus one standard deviation; within 0.8 s
+    # of wait 4 are expected, 4 + 2 counted, so standard may be 2 in line (10 in flight), not 4
+    shipped = controller()
+    _offer(shipped, {C: 5.0}, 30.0)
+    assert shipped.overtake_sigmas == 1.0 and shipped.overtaken_cap(S, at) == 10
+
+
+def test_the_more_critical_work_arrives_the_less_lower_work_waits_behind_it() -> None:
+    caps = []
+    for rate in (0.0, 2.0, 4.0, 6.0, 8.0, 9.5):
+        ctl = controller()
+        ctl.overtake_sigmas = 0.0
+        _offer(ctl, {C: rate} if rate else {}, 30.0)
+        caps.append(ctl.overtaken_cap(S, 30.1))
+    assert caps == sorted(caps, reverse=True) and caps[0] == 16 and caps[-1] == 8  # down to the batch
+    # within the batch a standard request starts at once: admitted however fast critical work arrives
+    ctl = controller()
+    _offer(ctl, {C: 9.0}, 30.0)
+    assert ctl.decide(S, 7, 30.1).admitted
+
+
+def test_only_the_lower_classes_admitted_work_overtakes_not_what_was_refused() -> None:
+    """Sheddable is overtaken by critical work and by the standard work that is admitted: standard
+    requests refused at the door never reach the engine."""
+    admitted, refused = controller(), controller()
+    admitted.overtake_sigmas = refused.overtake_sigmas = 0.0
+    for i in range(300):  # 30 s of standard work at 10/s: to an idle server, or to a full door
+        admitted.decide(S, 0, i / 10.0)
+        refused.decide(S, 16, i / 10.0)
+    assert admitted.overtaken_cap(D, 30.0) == 8 < refused.overtaken_cap(D, 30.0) == 12
+    assert refused.overtaken_cap(S, 30.0) == 16  # nothing above standard arrives
+
+
+def test_the_overtaken_cap_is_counted_without_room_kept() -> None:
+    """It is a prediction, not room kept: ``reserve_quantile`` 0 keeps no room and still counts it."""
+    ctl = controller(settings_=SETTINGS.model_copy(update={"reserve_quantile": 0.0}))
+    _offer(ctl, {C: 5.0}, 30.0)
+    assert ctl.class_cap(S, 30.1) == ctl.overtaken_cap(S, 30.1) == 10 and ctl.reserve(S, 30.1) == 0

@@ -545,6 +545,31 @@ def test_a_refusal_names_the_limit_that_refused_it(critical_rate: float, limit: 
     assert ctl.decide(Criticality.STANDARD, cap, g._clock()).limited_by == limit
 
 
+def test_a_refusal_for_the_work_that_would_overtake_it_says_so() -> None:
+    """With a batch of 8 (the server still completes 10 requests/s), standard work waits for a
+    slot past 8 in flight, and critical work arriving at 5/s meanwhile starts before it: its cap
+    counts that, and the refusal says why, naming the class's share."""
+    g = AdmissionGate(max_num_seqs=8, clock=FakeClock())
+    g.configure(parse_policy(SLO_POLICY))
+    ctl = g.controller
+    start = g._clock()
+    for i in range(300):  # 60 s of critical work at 5/s, each to an idle server
+        g._clock.now = start + i / 5.0
+        ctl.decide(Criticality.CRITICAL, 0, g._clock())
+    g._clock.advance(0.1)
+    cap = ctl.overtaken_cap(Criticality.STANDARD, g._clock())
+    assert 8 <= cap < ctl.max_admitted(Criticality.STANDARD) == 15
+    g.in_flight = cap
+    with pytest.raises(RequestError) as err:
+        g.admit("standard")
+    assert err.value.status == 429 and err.value.message.startswith(
+        "standard requests are admitted only while predicted to finish within 1.6 s, class_share.standard (0.8)"
+    ), err.value.message
+    assert "counting the more important requests that arrive while one waits" in err.value.message
+    assert g.state()["overtaken_cap"] == {"critical": 19, "standard": cap, "sheddable": ctl.overtaken_cap(
+        Criticality.SHEDDABLE, g._clock())}
+
+
 def test_the_state_shows_the_latency_tail_and_the_limit_it_sets() -> None:
     clock = FakeClock()
     g = AdmissionGate(max_num_seqs=16, clock=clock)
