@@ -33,15 +33,17 @@ def admission_state(http: httpx.Client) -> dict[str, Any]:
     return admin(http, "GET", "/admin/brownout")["ingress"]["admission"]
 
 
+# three distinct shares (the default is 1.0 / 0.9 / 0.9), so that each class has a cap of its own
+SHARES = {"critical": 1.0, "standard": 0.8, "sheddable": 0.6}
+
+
 def deploy_admission(deployed: Cluster, http: httpx.Client, admission: dict[str, Any],
-                     caps: dict[str, int] | None) -> Iterator[None]:
+                     caps: dict[str, int] | None, class_share: dict[str, float] = SHARES) -> Iterator[None]:
     """Deploy the SLO policy with these admission settings, level 0 pinned, until ``caps`` are
     in force (None: until admission is off); restore the shipped policy after."""
     config = deployed.config()
     doc = ingress_deployment(config)["user_config"]["policy"]["degradation"]
-    # three distinct shares (the default is 1.0 / 0.9 / 0.9), so that each class has a cap of its own
-    doc["slo"] = {"e2e_p99_ms": 2000, "default_class": "critical",
-                  "class_share": {"critical": 1.0, "standard": 0.8, "sheddable": 0.6}}
+    doc["slo"] = {"e2e_p99_ms": 2000, "default_class": "critical", "class_share": class_share}
     doc["admission"] = admission
     assert deployed.serve_deploy(config, "admission.yaml").returncode == 0
     # Level 0 pinned: the refusals these tests provoke raise the level (refused_ratio), and a
@@ -173,16 +175,20 @@ def test_overload_is_refused_at_once_least_important_first(
         "sheddable:class_share_exhausted": 1, "critical:saturated": 1}
 
 
-# 12 completions/s assumed and no room reserved (reserve_quantile 0), so the caps stay put
-# whatever arrives: critical 22, standard 18, sheddable 13; above the engine's batch (16), so
-# admitted requests wait for a batch slot in vLLM.
-PREEMPT_CAPS = {"critical": 22, "standard": 18, "sheddable": 13}
+# 12 completions/s assumed and no room reserved (reserve_quantile 0), with standard's shipped
+# share (0.9): the shares' caps critical 22, standard 20, sheddable 13; above the engine's batch
+# (16), so admitted requests wait for a batch slot in vLLM. Standard's cap counts the critical
+# work that would overtake it there (`AdmissionController.overtaken_caps`): after the test's 16
+# critical arrivals (1.3/s over the 12 s fast estimate) 19, so two standard requests can wait.
+# (With standard's share 0.8 that came to 17, and the second was refused.)
+PREEMPT_CAPS = {"critical": 22, "standard": 20, "sheddable": 13}
 
 
 @pytest.fixture
 def preempt_policy(deployed: Cluster, http: httpx.Client) -> Iterator[None]:
     yield from deploy_admission(deployed, http, {"prior_rate_per_s": 12, "rate_window_s": 60, "overhead_ms": 100,
-                                                 "reserve_quantile": 0, "reserve_window_s": 60}, PREEMPT_CAPS)
+                                                 "reserve_quantile": 0, "reserve_window_s": 60}, PREEMPT_CAPS,
+                                {**SHARES, "standard": 0.9})
 
 
 def wait_waiting(http: httpx.Client, n: int, held: list[cf.Future[httpx.Response]]) -> None:
@@ -202,7 +208,7 @@ def test_a_critical_request_at_the_full_door_takes_the_place_of_a_waiting_standa
         held = [pool.submit(post, deployed, None, 240) for _ in range(16)]
         wait_in_flight(http, 16, held)
         time.sleep(2.0)  # through their pre stages into the batch (they then run for 10 s and more)
-        # ...so two standard streams, admitted (standard's cap is 18), wait for a batch slot,
+        # ...so two standard streams, admitted (standard's cap is 19 now), wait for a batch slot,
         streams = []
         for n in (1, 2):
             streams.append(pool.submit(post, deployed, "standard", 8, stream=True))
