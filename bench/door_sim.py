@@ -87,6 +87,7 @@ CLASSES = tuple(Criticality)
 BATCH = 16
 SHAPES = ("concave", "linear", "convex", "knee")
 ENGINES = ("ps", "priority")
+OVERTAKE_DEFAULT = AdmissionConfig.model_fields["overtake_sigmas"].default
 
 
 def engine_latency(n: float, shape: str = "concave") -> float:
@@ -117,7 +118,7 @@ class Setting:
     ramp_step: int | None = AdmissionConfig.model_fields["ramp_step"].default  # None: a fifth of the batch
     speed_lag_s: float | None = None  # the slow phase's factor told to the door this late; None: not told
     overtaken: bool = True  # False: the door as before 12-07, its caps not counting the work that overtakes
-    overtake_sigmas: float | None = None  # None: the controller's (`policies.admission.OVERTAKE_SIGMAS`)
+    overtake_sigmas: float | None = None  # None: the policy's default (`AdmissionConfig.overtake_sigmas`)
 
     @property
     def label(self) -> str:
@@ -147,11 +148,10 @@ def simulate(setting: Setting, rate: float, seed: int, scale: float = 1.0, shape
     slo = SloConfig(e2e_p99_ms=slo_ms, class_share=dict(zip((c.value for c in CLASSES), setting.shares)))
     ctl = AdmissionController(slo, AdmissionConfig(overhead_ms=100, reserve_quantile=setting.reserve_quantile,
                                                    critical_wait_share=setting.critical_wait_share,
-                                                   ramp_step=setting.ramp_step), slots=BATCH)
-    if setting.overtake_sigmas is not None:
-        ctl.overtake_sigmas = setting.overtake_sigmas
-    if not setting.overtaken:  # the caps as before `AdmissionController.overtaken_caps`: the shares' own
-        ctl.overtaken_caps = lambda now: tuple(ctl.max_admitted(c) for c in CLASSES)  # type: ignore[method-assign]
+                                                   ramp_step=setting.ramp_step, overtake_sigmas=(
+                                                       None if not setting.overtaken
+                                                       else OVERTAKE_DEFAULT if setting.overtake_sigmas is None
+                                                       else setting.overtake_sigmas)), slots=BATCH)
     if engine not in ENGINES:
         raise ValueError(f"engine: unknown {engine!r}; valid: {', '.join(ENGINES)}")
     rng, share, t, speed = random.Random(seed), ShareClock(), 0.0, 1.0
@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
                          "request (`AdmissionController.overtaken_caps`; repeat to compare; default on)")
     ap.add_argument("--overtake-sigmas", type=float, action="append", default=None,
                     help="standard deviations of the overtaking arrivals the caps count (repeat to compare; "
-                         "default: policies.admission.OVERTAKE_SIGMAS)")
+                         "default: the policy's admission.overtake_sigmas)")
     ap.add_argument("--seconds", type=float, default=60.0, help="seconds of load")
     ap.add_argument("--seeds", type=int, default=8)
     ap.add_argument("--mix", default="20/50/30", metavar="C/S/D",

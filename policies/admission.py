@@ -817,11 +817,6 @@ STALE_RATIO = 1.2
 # rule); one standard deviation keeps the rule to demand that is over the server for sure.
 SHUT_OUT_SIGMAS = 1.0
 
-# A lower class's cap counts the more important requests that arrive while one of it waits for a
-# slot and start before it (`AdmissionController.overtaken_caps`) at their mean plus this many
-# standard deviations (Poisson: the square root of the mean; `overtaken_within_s`).
-OVERTAKE_SIGMAS = 1.0
-
 # The reserved limits (`reserved_limits`) are recomputed at most this often (seconds of ``now``):
 # the arrival rates they rest on move with a 10 s time constant, and one computation costs
 # O(cap * log cap) (about a millisecond at a cap of a few hundred).
@@ -1188,7 +1183,6 @@ class AdmissionController:
         # requests admitted per second, per class (`overtaken_caps`: what overtakes a class below)
         self._admitted = tuple(ArrivalRate(settings.reserve_window_s) for _ in Criticality)
         self._refusals = RefusalWindow(settings.refusal_window_s)
-        self.overtake_sigmas = OVERTAKE_SIGMAS  # `overtaken_caps`
         self._in_flight_avg: tuple[float, float | None] = (0.0, None)  # (average, when)
         self.models_replaced = 0  # level models found stale at a change up (`set_level`)
         self.speed_shifts = 0  # windows the level's model read as the machine changing speed (`ServiceModel.shift`)
@@ -1536,8 +1530,15 @@ class AdmissionController:
         with 20% critical work): of the standard requests the door admitted, the share that
         finished past the SLO rose with critical work's offered rate over C3: 0% at 0.38, 1.5% at
         0.39, 4.1% at 0.43, 14.1% at 0.46 and 33.7% at 0.58 (the engine compiled in the last
-        two, which served more of the rest)."""
+        two, which served more of the rest). The arrivals above are counted at their mean plus
+        ``admission.overtake_sigmas`` standard deviations (1 by default; None: not counted, the
+        shares' caps). In the door's model one deviation gave the best goodput under overload;
+        on the service it also refused, at 1.5 x C0 with a mixed load, sheddable work that would
+        have finished in time (bench/RESULTS.md, 12-07)."""
         caps = self._caps
+        sigmas = self.settings.overtake_sigmas
+        if sigmas is None:  # not counted: each class's share alone
+            return caps
         predictor = self.predictor
         full_s, rate = predictor.latency_s(self.slots), predictor.rate_per_s
         out, above = [caps[0]], 0.0
@@ -1548,7 +1549,7 @@ class AdmissionController:
             if above <= 0.0 or caps[k] <= self.slots or limit_s <= full_s:
                 out.append(caps[k])
                 continue
-            within_s = overtaken_within_s(full_s, limit_s, above, rate, self.overtake_sigmas)
+            within_s = overtaken_within_s(full_s, limit_s, above, rate, sigmas)
             out.append(max(1, min(caps[k], predictor.max_within(within_s))))
         return tuple(out)
 

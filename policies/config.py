@@ -372,6 +372,13 @@ class AdmissionConfig(_Strict):
         "lately (null: a fifth of the engine's batch per ingress replica, 3 for max_num_seqs 16; "
         "0: no such limit; nor with reserve_quantile 0)",
     )
+    overtake_sigmas: float | None = Field(
+        default=1.0, ge=0.0, le=10.0, allow_inf_nan=False,
+        description="a lower class's cap counts the more important requests that arrive while one of it "
+        "waits for a batch slot and start before it (vLLM's priority scheduler), at their mean plus this "
+        "many standard deviations; lower it to admit more lower-class work near capacity at the risk of "
+        "some finishing late under overload (null: not counted, each class's share alone)",
+    )
     critical_wait_share: float = Field(
         default=0.1, ge=0.0, le=0.5, allow_inf_nan=False,
         description="a critical request that finds the door full waits for a freed slot for up to "

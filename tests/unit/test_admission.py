@@ -1989,6 +1989,9 @@ def test_slowed_model_reads_the_model_slower() -> None:
     assert slowed.rate_per_s == pytest.approx(model.rate_per_s / 2.0)
 
 
+AT_MEAN = SETTINGS.model_copy(update={"overtake_sigmas": 0.0})  # the overtaking arrivals at their mean
+
+
 @pytest.mark.parametrize("name, full_s, limit_s, above, expected", [
     ("nothing arrives above: the share's limit", 0.8, 1.6, 0.0, 1.6),
     ("above at half the server's rate: half the wait", 0.8, 1.6, 5.0, 1.2),
@@ -2025,8 +2028,7 @@ def test_a_lower_class_past_the_batch_counts_the_critical_work_that_starts_befor
     With a batch of 8 at 10 requests/s (0.8 s for a full batch) and critical work arriving at
     5/s, a standard request past the batch gets slots at 5/s, not 10/s: the k-th in line waits
     k / 5 s, so within standard's 1.6 s it may be at most 4 in line (12 in flight), not 8 (16)."""
-    ctl = controller()  # no room kept, no ramp: the rule alone
-    ctl.overtake_sigmas = 0.0  # at the mean (the shipped margin: below)
+    ctl = controller(settings_=AT_MEAN)  # no room kept, no ramp: the rule alone, at the mean
     assert [ctl.overtaken_cap(k, 0.0) for k in (C, S, D)] == [20, 16, 12]  # nothing arrives
     _offer(ctl, {C: 5.0}, 30.0)
     at = 30.1
@@ -2046,14 +2048,17 @@ def test_a_lower_class_past_the_batch_counts_the_critical_work_that_starts_befor
     # of wait 4 are expected, 4 + 2 counted, so standard may be 2 in line (10 in flight), not 4
     shipped = controller()
     _offer(shipped, {C: 5.0}, 30.0)
-    assert shipped.overtake_sigmas == 1.0 and shipped.overtaken_cap(S, at) == 10
+    assert shipped.settings.overtake_sigmas == 1.0 and shipped.overtaken_cap(S, at) == 10
+    # not counted (null): the shares' caps, as before the rule
+    off = controller(settings_=SETTINGS.model_copy(update={"overtake_sigmas": None}))
+    _offer(off, {C: 5.0}, 30.0)
+    assert [off.overtaken_cap(k, at) for k in (C, S, D)] == [20, 16, 12] and off.class_cap(S, at) == 16
 
 
 def test_the_more_critical_work_arrives_the_less_lower_work_waits_behind_it() -> None:
     caps = []
     for rate in (0.0, 2.0, 4.0, 6.0, 8.0, 9.5):
-        ctl = controller()
-        ctl.overtake_sigmas = 0.0
+        ctl = controller(settings_=AT_MEAN)
         _offer(ctl, {C: rate} if rate else {}, 30.0)
         caps.append(ctl.overtaken_cap(S, 30.1))
     assert caps == sorted(caps, reverse=True) and caps[0] == 16 and caps[-1] == 8  # down to the batch
@@ -2066,8 +2071,7 @@ def test_the_more_critical_work_arrives_the_less_lower_work_waits_behind_it() ->
 def test_only_the_lower_classes_admitted_work_overtakes_not_what_was_refused() -> None:
     """Sheddable is overtaken by critical work and by the standard work that is admitted: standard
     requests refused at the door never reach the engine."""
-    admitted, refused = controller(), controller()
-    admitted.overtake_sigmas = refused.overtake_sigmas = 0.0
+    admitted, refused = controller(settings_=AT_MEAN), controller(settings_=AT_MEAN)
     for i in range(300):  # 30 s of standard work at 10/s: to an idle server, or to a full door
         admitted.decide(S, 0, i / 10.0)
         refused.decide(S, 16, i / 10.0)
