@@ -68,6 +68,7 @@ served ones late (the p99 within it).
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import math
 import random
@@ -188,7 +189,7 @@ def simulate(setting: Setting, rate: float, seed: int, scale: float = 1.0, shape
         if engine == "ps" or len(running) < BATCH:
             running.append(r)
         else:  # vLLM's waiting queue: by priority, then arrival
-            queued.insert(sum(1 for q in queued if (q[4].rank, q[0]) <= (klass.rank, arrived)), r)
+            bisect.insort(queued, r, key=lambda q: (q[4].rank, q[0]))
 
     def start_queued(now: float) -> None:
         while queued and len(running) < BATCH:
@@ -255,7 +256,7 @@ def simulate(setting: Setting, rate: float, seed: int, scale: float = 1.0, shape
 
 def summarize(runs: list[dict]) -> dict:
     """Pooled over seeds: goodput, share of all requests on time, per class on time and shed."""
-    pooled = {c.value: {k: sum(r["counts"][c.value].get(k, 0) for r in runs)
+    pooled = {c.value: {k: sum(r["counts"][c.value][k] for r in runs)
                         for k in ("offered", "refused", "late", "on_time", "dropped")}
               for c in CLASSES}
     offered = sum(p["offered"] for p in pooled.values())

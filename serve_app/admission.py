@@ -370,20 +370,17 @@ class AdmissionGate:
         # refused by its share alone, with no critical traffic, is not kept out for anyone's sake
         if reason == "saturated":
             why = "the service is saturated: even critical requests would miss the latency objective"
-        elif d.limited_by == "share" and self.controller is not None:
+        elif d.limited_by in ("share", "overtaken") and self.controller is not None:
             ctl = self.controller
             why = (f"{klass} requests are admitted only while predicted to finish within "
                    f"{ctl.share_limit_s(d.criticality):.1f} s, class_share.{klass} ({ctl.share(d.criticality):g}) "
                    f"of the {ctl.e2e_s:g} s objective's budget")
+            if d.limited_by == "overtaken":
+                why += (", counting the more important requests that arrive while one waits for the model "
+                        "and start before it")
         elif d.limited_by == "shut_out":
             why = (f"{klass} requests are shed while more important work alone arrives as fast as the "
                    "service completes requests")
-        elif d.limited_by == "overtaken" and self.controller is not None:
-            ctl = self.controller
-            why = (f"{klass} requests are admitted only while predicted to finish within "
-                   f"{ctl.share_limit_s(d.criticality):.1f} s, class_share.{klass} ({ctl.share(d.criticality):g}) "
-                   f"of the {ctl.e2e_s:g} s objective's budget, counting the more important requests that "
-                   "arrive while one waits for the model and start before it")
         elif d.limited_by == "ramp" and self.controller is not None:
             step = self.controller.ramp_step
             why = (f"{klass} requests are admitted up to {step} request{'s' if step != 1 else ''} above the "
