@@ -244,9 +244,18 @@ def engine_settings(model: Mapping[str, Any]) -> dict[str, Any]:
     """The engine settings every benchmark gives its engines, Brownout's and Ray's built-in app's
     alike, from ``model`` (serve_config.yaml's model args): seed 0, and ``dtype`` as set, where
     "auto" is left for Brownout to resolve; an engine built directly (the built-in app's, this
-    module's) gets `deployments.engine.engine_dtype` of it, or the comparison is not fair."""
+    module's) gets `direct_engine` of them, or the comparison is not fair."""
     return {"max_num_seqs": model["max_num_seqs"], "max_model_len": model["max_model_len"],
             "enforce_eager": model["enforce_eager"], "dtype": model.get("dtype", "auto"), "seed": 0}
+
+
+def direct_engine(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """``settings`` (`engine_settings`) for an engine built directly (Ray's built-in app's, this
+    module's): ``dtype`` resolved with `deployments.engine.engine_dtype`, not "auto" as it is,
+    which Brownout resolves the same way, or the comparison is not fair."""
+    from deployments.engine import engine_dtype
+
+    return {**settings, "dtype": engine_dtype(settings["dtype"])}
 
 
 async def measure(concurrency: Sequence[int], seconds: float, warm_s: float, max_tokens: int,
@@ -266,10 +275,8 @@ async def measure(concurrency: Sequence[int], seconds: float, warm_s: float, max
     if m["source"] != "embedded:tiny":
         raise SystemExit(f"model.source={m['source']!r}: this benchmark runs the embedded model only")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(m["kv_cache_space_gib"]))
-    settings = engine_settings(m)
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
-        model=str(ensure_tiny_model()), **{**settings, "dtype": engine_dtype(settings["dtype"])},
-        disable_log_stats=True))
+        model=str(ensure_tiny_model()), **direct_engine(engine_settings(m)), disable_log_stats=True))
     placement, why = cp.plan("auto", cp.node_cpus(), 1)
     cores = cp.children_named(cp.parent_map(), os.getpid(), cp.ENGINE_COMM)
     if placement is not None and cores:

@@ -59,7 +59,7 @@ from bench import provenance  # noqa: E402
 from bench.loadgen import RequestRecord, stream_one  # noqa: E402
 from deployments.engine import engine_dtype  # noqa: E402
 
-from bench.engine_batch import engine_args, engine_settings  # noqa: E402
+from bench.engine_batch import direct_engine, engine_args, engine_settings  # noqa: E402
 
 ENGINE = engine_settings(engine_args())  # serve_config.yaml's: the engine settings all three apps get
 MODEL_NAME = "brownout-tiny"
@@ -88,7 +88,7 @@ def deploy(port: int, model_dir: str, data_dir: str, cpu_isolation: str = "off")
     builtin_cfg = LLMConfig(
         model_loading_config={"model_id": MODEL_NAME, "model_source": model_dir},
         accelerator_config={"kind": "cpu"},
-        engine_kwargs={**ENGINE, "dtype": engine_dtype(ENGINE["dtype"])},  # not "auto": see engine_dtype
+        engine_kwargs=direct_engine(ENGINE),  # not "auto": see engine_dtype
         runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1"}},
     )
     builtin = build_openai_app({"llm_configs": [builtin_cfg],

@@ -816,14 +816,11 @@ def deploy_builtin(http_port: int, config: dict[str, Any]) -> None:
     from ray import serve
     from ray.serve.llm import LLMConfig, build_openai_app
 
-    from bench.engine_batch import engine_settings
-    from deployments.engine import engine_dtype
+    from bench.engine_batch import direct_engine, engine_settings
     from deployments.tiny_model import ensure_tiny_model
 
     m = config["applications"][0]["args"]["model"]
-    settings = engine_settings(m)
-    # not "auto" as it is: the same engine settings, or the comparison is not fair
-    engine = {**settings, "dtype": engine_dtype(settings["dtype"])}
+    engine = direct_engine(engine_settings(m))  # the same engine settings, or the comparison is not fair
     cfg = LLMConfig(
         model_loading_config={"model_id": m["served_model_name"], "model_source": str(ensure_tiny_model())},
         accelerator_config={"kind": "cpu"},

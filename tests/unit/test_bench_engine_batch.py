@@ -78,6 +78,18 @@ def test_every_benchmarks_engine_settings_come_from_the_model_args() -> None:
     assert engine_settings({**model, "dtype": "float32"})["dtype"] == "float32"
 
 
+def test_an_engine_built_directly_gets_the_dtype_brownout_resolves_auto_to(monkeypatch: pytest.MonkeyPatch) -> None:
+    import deployments.engine
+    from bench.engine_batch import direct_engine, engine_settings
+
+    model = {"source": "embedded:tiny", "max_num_seqs": 8, "max_model_len": 512, "enforce_eager": False}
+    monkeypatch.setattr(deployments.engine, "_cpu_flags", lambda: frozenset({"avx2"}))  # no native bfloat16
+    assert direct_engine(engine_settings(model)) == {**engine_settings(model), "dtype": "float32"}
+    monkeypatch.setattr(deployments.engine, "_cpu_flags", lambda: frozenset({"avx512f", "amx_bf16"}))
+    assert direct_engine(engine_settings(model))["dtype"] == "auto"  # the model's bfloat16, native here
+    assert direct_engine(engine_settings({**model, "dtype": "bfloat16"}))["dtype"] == "bfloat16"  # explicit: kept
+
+
 def test_the_side_by_side_benchmark_gives_its_engines_serve_configs_settings() -> None:
     from bench import overhead
     from bench.engine_batch import engine_args
