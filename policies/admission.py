@@ -109,8 +109,10 @@ The rule, and why:
 - **Refusals are honest.** A refused class that critical work could still pass gets 429
   ``class_share_exhausted``; when even critical is refused the service is ``saturated``: 503.
   ``Retry-After`` is the predicted time for the backlog to drain to where this class is admitted
-  again, ``ceil((ahead + 1 - max_admitted(c)) / rate_per_s)`` (the saturation rate), clamped to
-  ``[min_retry_after_s, max_retry_after_s]``: it grows with the backlog instead of inviting every
+  again, ``ceil((ahead + 1 - max_admitted(c)) / (rate_per_s - above))``: the saturation rate
+  less the rate at which the classes above it keep being admitted meanwhile (they take the freed
+  slots first; `arriving_above`), clamped to ``[min_retry_after_s, max_retry_after_s]`` (the
+  maximum where they take every slot): it grows with the backlog instead of inviting every
   refused client back at once after a constant.
 - **The engine's speed, read at its steps** (`set_speed`, `policies.engine_speed`). The model
   learns from completions, which a starved engine (a noisy neighbour on its CPUs, a throttled
@@ -1458,7 +1460,7 @@ class AdmissionController:
                             deadline_at=now + self.e2e_s, preempt=preempt)
         self._refusals.add(now, refused=counted)
         return Decision(False, criticality, reason, STATUS[reason], self.predicted_e2e_s(ahead), cap,
-                        retry_after_s=self.retry_after_s(ahead, cap), limited_by=limit)
+                        retry_after_s=self.retry_after_s(ahead, cap, criticality, now), limited_by=limit)
 
     def share(self, criticality: Criticality) -> float:
         """``slo.class_share`` of ``criticality``: the part of the latency budget it may use."""
@@ -1541,10 +1543,9 @@ class AdmissionController:
             return caps
         predictor = self.predictor
         full_s, rate = predictor.latency_s(self.slots), predictor.rate_per_s
-        out, above = [caps[0]], 0.0
+        out = [caps[0]]
         for k in range(1, len(caps)):
-            arrivals = self._arrivals[0] if k == 1 else self._admitted[k - 1]
-            above += arrivals.peak(now) if arrivals.present(now) else 0.0
+            above = self.arriving_above(k, now)
             limit_s = self._shares[k] * self.budget_s
             if above <= 0.0 or caps[k] <= self.slots or limit_s <= full_s:
                 out.append(caps[k])
@@ -1552,6 +1553,20 @@ class AdmissionController:
             within_s = overtaken_within_s(full_s, limit_s, above, rate, sigmas)
             out.append(max(1, min(caps[k], predictor.max_within(within_s))))
         return tuple(out)
+
+    def arriving_above(self, rank: int, now: float, estimate: str = "peak") -> float:
+        """Requests per second of the classes more important than the class of ``rank`` that
+        reach the engine and start before its waiting work: critical's offered rate (it is refused
+        only where the service is saturated) plus the admitted rates of the classes between (a
+        request refused at the door never reaches the engine), each by ``estimate`` (`ArrivalRate`'s
+        ``"peak"``, quick to rise, or ``"rate"``, the long estimate) and as none where it no
+        longer arrives (`ArrivalRate.present`); 0 for critical."""
+        above = 0.0
+        for k in range(rank):
+            arrivals = self._arrivals[0] if k == 0 else self._admitted[k]
+            if arrivals.present(now):
+                above += arrivals.peak(now) if estimate == "peak" else arrivals.rate(now)
+        return above
 
     @property
     def tail_factor(self) -> float:
@@ -1740,11 +1755,21 @@ class AdmissionController:
         step = self.settings.ramp_step
         return max(1, round(RAMP_STEP_SHARE * self.slots)) if step is None else step
 
-    def retry_after_s(self, ahead: int, cap: int) -> int:
-        """``Retry-After`` for a refusal with ``ahead`` in flight and the class admitted below ``cap``."""
-        # completions needed before this class fits again, at the saturation rate
-        drain_s = (ahead + 1 - cap) / self.predictor.rate_per_s
+    def retry_after_s(self, ahead: int, cap: int, criticality: Criticality = Criticality.CRITICAL,
+                      now: float | None = None) -> int:
+        """``Retry-After`` for a refusal of ``criticality`` with ``ahead`` in flight and the class
+        admitted below ``cap``: the time for ``ahead + 1 - cap`` requests to drain. Requests
+        complete at the saturation rate, but the classes above keep being admitted meanwhile and
+        take the freed slots first, so the backlog falls at the saturation rate less their arrival
+        rate (`arriving_above`, the long estimate: a drain lasts seconds; counted where ``now`` is
+        given). Where they arrive as fast as the server serves, it does not fall:
+        ``max_retry_after_s``. Clamped to ``[min_retry_after_s, max_retry_after_s]``."""
         lo, hi = self.settings.min_retry_after_s, self.settings.max_retry_after_s
+        above = 0.0 if now is None else self.arriving_above(_RANK[criticality], now, "rate")
+        drain_per_s = self.predictor.rate_per_s - above
+        if drain_per_s <= 0.0:
+            return hi
+        drain_s = (ahead + 1 - cap) / drain_per_s
         return min(hi, max(lo, math.ceil(drain_s - 1e-9)))
 
     # -- feedback ----------------------------------------------------------------------------

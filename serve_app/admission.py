@@ -191,9 +191,10 @@ class AdmissionGate:
         if ctl is None or not self.enabled:  # admission was switched off meanwhile
             return self._ticket(criticality, None, self._clock(), self.in_flight)
         ahead = self.in_flight + len(self._queue)
-        cap = ctl.class_cap(criticality, self._clock())
+        now = self._clock()
+        cap = ctl.class_cap(criticality, now)
         late = Decision(False, criticality, "saturated", STATUS["saturated"], ctl.predicted_e2e_s(ahead), cap,
-                        retry_after_s=ctl.retry_after_s(ahead, cap))
+                        retry_after_s=ctl.retry_after_s(ahead, cap, criticality, now))
         raise self._refusal(late)
 
     def _classify(self, criticality_header: str | None, base: Criticality | None) -> Criticality:
@@ -295,8 +296,15 @@ class AdmissionGate:
         stop()
 
     def preempted_error(self, ticket: Ticket) -> RequestError:
-        """The refusal of a request whose place a more important one took (`waiting`)."""
-        retry = self.drain_s()
+        """The refusal of a request whose place a more important one took (`waiting`), with the
+        ``Retry-After`` of a refusal of its class at the door now (`retry_after_s`)."""
+        ctl = self.controller
+        if ctl is None:
+            retry = self.drain_s()
+        else:
+            now = self._clock()
+            c = ticket.criticality
+            retry = ctl.retry_after_s(self.in_flight, ctl.class_cap(c, now), c, now)
         message = (f"{ticket.criticality.value} request preempted before the model started it: a more "
                    f"important request needed its place to stay within its latency objective. "
                    f"Retry after {retry} s.")

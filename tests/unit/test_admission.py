@@ -2068,6 +2068,29 @@ def test_the_more_critical_work_arrives_the_less_lower_work_waits_behind_it() ->
     assert ctl.decide(S, 7, 30.1).admitted
 
 
+def test_retry_after_counts_the_slots_the_classes_above_take_while_the_backlog_drains() -> None:
+    """A refused standard request fits again once ``ahead + 1 - cap`` more requests have finished
+    than were admitted above it meanwhile: with critical work at about 5/s of the server's 10/s
+    the backlog falls at about 5/s, not 10/s, so its Retry-After is longer; critical's is not."""
+    shares_only = SETTINGS.model_copy(update={"overtake_sigmas": None})  # caps: the shares' (20, 16, 12)
+    busy, idle = controller(settings_=shares_only), controller(settings_=shares_only)
+    _offer(busy, {C: 5.0}, 30.0)
+    at = 30.0
+    above = busy.arriving_above(S.rank, at, "rate")  # the long estimate: 5 (1 - e^-3)
+    assert 4.5 < above < 5.0 and busy.arriving_above(C.rank, at, "rate") == 0.0
+    assert idle.decide(S, 30, at).retry_after_s == 2  # (30 + 1 - 16) / 10 = 1.5 -> 2
+    assert busy.decide(S, 30, at).retry_after_s == math.ceil(15 / (10.0 - above)) == 3
+    assert busy.decide(C, 30, at).retry_after_s == idle.decide(C, 30, at).retry_after_s == 2  # 11 / 10
+    # sheddable: overtaken by critical work and by the standard work admitted (here none, refused)
+    assert busy.arriving_above(D.rank, at, "rate") == busy.arriving_above(S.rank, at, "rate") > above
+    # the classes above as fast as the server: the backlog does not fall, the longest Retry-After
+    flooded = controller(settings_=shares_only)
+    _offer(flooded, {C: 12.0}, 30.0)
+    assert flooded.arriving_above(S.rank, at, "rate") > 10.0
+    assert flooded.decide(S, 16, at).retry_after_s == SETTINGS.max_retry_after_s == 30
+    assert flooded.decide(C, 20, at).retry_after_s == 1
+
+
 def test_only_the_lower_classes_admitted_work_overtakes_not_what_was_refused() -> None:
     """Sheddable is overtaken by critical work and by the standard work that is admitted: standard
     requests refused at the door never reach the engine."""

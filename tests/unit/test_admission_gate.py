@@ -189,6 +189,10 @@ def test_a_critical_request_at_the_full_door_takes_the_place_of_the_least_import
     err = g.preempted_error(victim)
     assert err.status == 429 and err.kind == "rate_limit_error" and err.param is None
     assert err.headers["X-Brownout-Criticality"] == "sheddable" and int(err.headers["Retry-After"]) >= 1
+    # the Retry-After of a sheddable request refused at the door now: its backlog over its cap
+    ctl, now = g.controller, clock()
+    assert int(err.headers["Retry-After"]) == ctl.retry_after_s(
+        19, ctl.class_cap(Criticality.SHEDDABLE, now), Criticality.SHEDDABLE, now)
     assert "preempted before the model started it" in err.message
     g.release(victim, served=False)  # the victim's own handler releases it again: a no-op
     assert g.in_flight == 19
