@@ -191,7 +191,8 @@ Wiring (the ingress)::
     ...; in_flight -= 1; end = share.mark(time.time(), in_flight)
     admission.observe_completion(time.time(), latency_s, end - mark)   # served by the model only
     admission.set_speed(model_replica_health["slowdown"], time.time())   # every probe (0.5 s)
-    admission.set_level(level, time.time(), in_flight)   # whenever the level in force changes;
+    admission.set_level(level, time.time(), in_flight, left_in_flight)   # whenever the level changes
+                                             # (left_in_flight: a request the level left admitted still runs);
     admission.end_hold()                     # ... and when the last request admitted before it leaves
     # on reconfigure(): admission.update(policy.slo, policy.admission or AdmissionConfig())
     # the model deployment, before the engine starts a request:
@@ -807,7 +808,8 @@ WAIT_SMOOTHING_ALONE = 2.0
 
 # At a change up, the new level's model is taken for one from a slower phase of the machine (and
 # replaced by the model in force) where it predicts more than this many times the latency of the
-# model in force at the concurrency just measured (`AdmissionController.set_level`): a margin
+# model in force at the concurrency just measured, or in flight where nothing was measured just
+# now (`AdmissionController.set_level`): a margin
 # over the noise of a mean of recent completions, far under the twice measured when it mattered.
 STALE_RATIO = 1.2
 
@@ -1301,7 +1303,8 @@ class AdmissionController:
         self._recompute()
         return True
 
-    def set_level(self, level: int, now: float | None = None, in_flight: int = 0) -> bool:
+    def set_level(self, level: int, now: float | None = None, in_flight: int = 0,
+                  left_in_flight: bool | None = None) -> bool:
         """The degradation level now in force; True if it changed.
 
         Capacity depends on the level (optional work takes the same CPU as the model, and
@@ -1320,7 +1323,12 @@ class AdmissionController:
         ``predicted_wait_ms``) would otherwise outlive itself in them. Measured before this (12-05,
         2-core AVX2 EPYC, 5 s SLO, the benchmark's oscillating load): a 6.3 x reading raised level
         3, and the hold kept every cap at 1 for a second after the reading was back at 1, with
-        the requests in flight finishing within the SLO. The hold lasts
+        the requests in flight finishing within the SLO. A level that admitted nothing while it
+        was in force (``left_in_flight`` False: the gate tells; None: as if it did wherever
+        anything is in flight) carries no request, so it is not held: measured (12-07, 2-core
+        AVX2 EPYC, 5 s SLO, 3 x C0 with 20% critical work), level 2 came 1.6 s into the run and
+        level 3 0.6 s later; level 2 admitted nothing (its caps were 1 with 4 in flight), yet its
+        caps held every class at 1 for 2.2 s more, and two critical requests were refused. The hold lasts
         until `end_hold` (the gate calls it when the last of them has left) or one
         ``e2e_p99_ms`` after the change, whichever comes first (none of them can still be on
         time then). Measured (12-03, 2-core AVX2 EPYC, 5 s SLO, the step profile 0.5 x -> 3 x
@@ -1340,12 +1348,19 @@ class AdmissionController:
         measured (its `fresh_reach`: the highest concurrency with a completion within
         `ServiceModel.FLOOR_FRESH_S`) was measured in a slower phase of the machine: it
         contradicts what was just measured, and is replaced by a copy of the model in force (its
-        line: `copy`; counted in ``models_replaced``). Where the model in force has no fresh completion, or the new level's
-        model is only higher up (measured there, while the level in force has only been
-        extrapolated to it), nothing contradicts it and it stays. Measured (12-03, 2-core AVX2 EPYC,
+        line: `copy`; counted in ``models_replaced``). Where the model in force was measured but
+        has no fresh completion (a change at the onset of load after a calm), they are compared at the
+        concurrency in flight (at least 1), where the door admits next: neither was measured
+        just now, and the order of the levels still says which is wrong; the copy is what a
+        level never measured starts from. Where the new level's model is slower only higher up
+        (measured there, while the level in force has only been extrapolated to it), nothing
+        contradicts it and it stays; nor does a model in force never measured (a prior). Measured (12-03, 2-core AVX2 EPYC,
         5 s SLO, 3 x C0): level 3 came 4.4 s into the run, and its model, from the run before a
         minute earlier when 4 in flight took 5.2 s (here 2.6 s), cut critical's cap from level
-        2's 9 to 3; two critical requests were refused before fresh points replaced it. A
+        2's 9 to 3; two critical requests were refused before fresh points replaced it. And
+        (12-07, the same machine, 3 x C0 with 20% critical work, 1.6 s into the run, before any
+        completion): level 2's model from minutes before (5.2 s + 0.14 s per request) predicted
+        1.7 times level 0's at the 4 in flight and set every cap to 1. A
         change down keeps the new level's own model: it is at most as fast as the level it
         leaves, whatever that one measured, and the hold bounds its caps meanwhile.
         """
@@ -1357,15 +1372,18 @@ class AdmissionController:
         left = self.model  # with the levels still held from an earlier change, it bounds the new one's caps
         stale = False
         if level > self.level and level in self._models:
-            reach = self.model.fresh_reach(now)
-            stale = reach > 0 and self._models[level].latency_s(reach) > STALE_RATIO * self.model.latency_s(reach)
+            at = self.model.fresh_reach(now)
+            if not at and self.model.fresh_reach():  # measured, but not just now: where the door is
+                at = max(1, in_flight)
+            stale = at > 0 and self._models[level].latency_s(at) > STALE_RATIO * self.model.latency_s(at)
         if level not in self._models or stale:
             self._models[level] = self.model.copy()
             self.models_replaced += stale
         self.level = level
         earlier = () if self._hold is None else self._hold[1]  # never holds `left`: it was in force
-        self._hold = ((now + self.e2e_s, tuple(m for m in (*earlier, left) if m is not self.model))
-                      if now is not None and in_flight > 0 else None)
+        held = (*earlier, left) if left_in_flight is None or left_in_flight else earlier
+        held = tuple(m for m in held if m is not self.model)
+        self._hold = ((now + self.e2e_s, held) if now is not None and in_flight > 0 and held else None)
         self._recompute()
         return True
 

@@ -881,20 +881,26 @@ def test_a_change_to_a_slower_level_is_not_delayed_and_holds_chain() -> None:
     assert [ctl.max_admitted(k) for k in (C, S, D)] == fast and ctl.held_until is None
 
 
-@pytest.mark.parametrize("name, up, per_other, change_after_s, expected", [
+@pytest.mark.parametrize("name, up, per_other, change_after_s, in_flight, expected", [
     ("up to a level measured slower, in an earlier phase, than the level in force just now: "
-     "it starts from the model in force", True, 0.4, 0.5, "in_force"),
-    ("up to a level measured slower, but nothing fresh in force to contradict it: kept", True, 0.4, 60.0, "own"),
-    ("up to a level measured slower within the margin (noise): kept", True, 0.24, 0.5, "own"),
-    ("up to a level measured faster: kept", True, 0.1, 0.5, "own"),
+     "it starts from the model in force", True, 0.4, 0.5, 0, "in_force"),
+    ("up to a level measured slower, nothing fresh in force: compared where the door is, "
+     "alone (1.6 x): the model in force", True, 0.4, 60.0, 0, "in_force"),
+    ("the same with 5 in flight, compared at 5 (1.6 x): the model in force", True, 0.4, 60.0, 5, "in_force"),
+    ("up to a level measured slower within the margin (noise): kept", True, 0.24, 0.5, 0, "own"),
+    ("the same with nothing fresh, compared at the 5 in flight (1.12 x): kept", True, 0.24, 60.0, 5, "own"),
+    ("up to a level measured faster: kept", True, 0.1, 0.5, 0, "own"),
     ("down to a level measured faster, in an earlier phase: its own (the hold bounds it while "
-     "requests of the level left run)", False, 0.1, 0.5, "own"),
+     "requests of the level left run)", False, 0.1, 0.5, 0, "own"),
 ])
 def test_a_higher_level_is_never_predicted_slower_than_the_level_in_force_just_measured(
-        name: str, up: bool, per_other: float, change_after_s: float, expected: str) -> None:
+        name: str, up: bool, per_other: float, change_after_s: float, in_flight: int, expected: str) -> None:
     """Levels are ordered by cost (a higher level does less): a higher level's model that
     predicts more than `STALE_RATIO` x the latency of the model in force, where that one was
-    just measured, comes from a slower phase of the machine (`AdmissionController.set_level`)."""
+    just measured (or, with nothing measured just now, at the concurrency in flight), comes
+    from a slower phase of the machine (`AdmissionController.set_level`). With requests in
+    flight the hold bounds the caps by the level left, which is faster here: the own model's
+    caps are the lower ones either way."""
     in_force, other = (2, 3) if up else (3, 2)
     ctl = controller()
     ctl.set_level(other)
@@ -905,7 +911,7 @@ def test_a_higher_level_is_never_predicted_slower_than_the_level_in_force_just_m
     caps["in_force"] = [ctl.max_admitted(k) for k in (C, S, D)]
     assert caps["own"] != caps["in_force"]
     assert ctl.model.fresh_reach(end + change_after_s) == (5 if change_after_s < 5 else 0)
-    assert ctl.set_level(other, now=end + change_after_s, in_flight=0)
+    assert ctl.set_level(other, now=end + change_after_s, in_flight=in_flight)
     assert [ctl.max_admitted(k) for k in (C, S, D)] == caps[expected], name
     assert ctl.models_replaced == (expected == "in_force")
 

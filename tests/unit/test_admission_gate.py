@@ -421,6 +421,44 @@ def test_a_level_change_keeps_the_caps_it_left_until_the_requests_admitted_befor
     asyncio.run(scenario())
 
 
+def test_a_level_that_admitted_nothing_is_not_held_at_the_next_change() -> None:
+    """The hold bounds the caps by the levels the requests in flight were admitted at. A level
+    in force only while the door was full for it admitted none of them, so its caps bound
+    nothing at the next change (measured 12-07: level 2's caps, at 1, held every class for 2.2 s
+    after level 3 came, and critical requests were refused)."""
+    clock = FakeClock()
+    g = AdmissionGate(max_num_seqs=16, clock=clock)
+    g.configure(parse_policy(SLO_POLICY))
+
+    def serve_pairs(latency_s: float) -> None:
+        for _ in range(5):
+            pair = [g.admit(None), g.admit(None)]
+            clock.advance(latency_s)
+            for ticket in pair:
+                g.release(ticket, served=True)
+
+    caps = {}
+    for level, latency_s in [(1, 1.5), (2, 0.3), (3, 0.3)]:  # level 1 measured slow, 2 and 3 fast
+        g.set_level(level)
+        serve_pairs(latency_s)
+        caps[level] = g.controller.max_admitted(Criticality.CRITICAL)
+    assert caps[1] < caps[2] == caps[3]
+    clock.advance(10.0)
+    admitted = fill(g, caps[1] + 1)  # admitted at level 3
+    g.set_level(1)  # down: level 1's own caps at once; the door is full for every class
+    assert g.controller.max_admitted(Criticality.CRITICAL) == caps[1] and g.state()["caps_held_s"] is not None
+    with pytest.raises(RequestError):
+        g.admit(None, base=Criticality.CRITICAL)
+    clock.advance(0.5)
+    g.set_level(2)  # level 1 admitted nothing: only level 3's caps still bound the door
+    assert g.controller.max_admitted(Criticality.CRITICAL) == caps[2] and g.state()["caps_held_s"] is not None
+    assert g.state()["level_models_replaced"] == 0
+    g.admit(None, base=Criticality.CRITICAL)
+    for t in admitted:
+        g.release(t, served=False)
+    assert g.state()["caps_held_s"] is None
+
+
 def test_a_level_change_with_nothing_in_flight_applies_the_new_caps_at_once() -> None:
     clock = FakeClock()
     g = AdmissionGate(max_num_seqs=16, clock=clock)
