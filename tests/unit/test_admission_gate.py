@@ -34,6 +34,15 @@ def fill(g: AdmissionGate, n: int) -> list:
     return [g.admit(None, base=Criticality.CRITICAL) for _ in range(n)]
 
 
+def serve_pairs(g: AdmissionGate, clock: FakeClock, latency_s: float, pairs: int = 5) -> None:
+    """``pairs`` pairs of standard requests, each pair in flight together for ``latency_s``."""
+    for _ in range(pairs):
+        pair = [g.admit(None), g.admit(None)]
+        clock.advance(latency_s)
+        for ticket in pair:
+            g.release(ticket, served=True)
+
+
 def test_without_slo_everything_is_admitted_and_classified() -> None:
     g = gate({"level1": LEVEL})
     tickets = [g.admit(None) for _ in range(500)]
@@ -430,17 +439,10 @@ def test_a_level_that_admitted_nothing_is_not_held_at_the_next_change() -> None:
     g = AdmissionGate(max_num_seqs=16, clock=clock)
     g.configure(parse_policy(SLO_POLICY))
 
-    def serve_pairs(latency_s: float) -> None:
-        for _ in range(5):
-            pair = [g.admit(None), g.admit(None)]
-            clock.advance(latency_s)
-            for ticket in pair:
-                g.release(ticket, served=True)
-
     caps = {}
     for level, latency_s in [(1, 1.5), (2, 0.3), (3, 0.3)]:  # level 1 measured slow, 2 and 3 fast
         g.set_level(level)
-        serve_pairs(latency_s)
+        serve_pairs(g, clock, latency_s)
         caps[level] = g.controller.max_admitted(Criticality.CRITICAL)
     assert caps[1] < caps[2] == caps[3]
     clock.advance(10.0)
@@ -481,18 +483,11 @@ def test_a_higher_level_measured_in_a_slower_phase_starts_from_the_level_in_forc
     g = AdmissionGate(max_num_seqs=16, clock=clock)
     g.configure(parse_policy(SLO_POLICY))
 
-    def serve_pairs(latency_s: float) -> None:
-        for _ in range(5):
-            pair = [g.admit(None), g.admit(None)]
-            clock.advance(latency_s)
-            for ticket in pair:
-                g.release(ticket, served=True)
-
     g.set_level(3)
-    serve_pairs(1.5)  # level 3, in a slow phase of the machine
+    serve_pairs(g, clock, 1.5)  # level 3, in a slow phase of the machine
     slow = g.controller.max_admitted(Criticality.CRITICAL)
     g.set_level(2)
-    serve_pairs(0.3)  # level 2, now, five times as fast
+    serve_pairs(g, clock, 0.3)  # level 2, now, five times as fast
     fast = g.controller.max_admitted(Criticality.CRITICAL)
     assert slow < fast and g.state()["level_models_replaced"] == 0
     g.set_level(3)
@@ -508,23 +503,16 @@ def test_a_machine_changing_speed_is_counted_in_the_state() -> None:
     g = AdmissionGate(max_num_seqs=16, clock=clock)
     g.configure(parse_policy(SLO_POLICY))
 
-    def serve_pairs(latency_s: float, pairs: int) -> None:
-        for _ in range(pairs):
-            pair = [g.admit(None), g.admit(None)]
-            clock.advance(latency_s)
-            for ticket in pair:
-                g.release(ticket, served=True)
-
-    serve_pairs(0.3, 10)
+    serve_pairs(g, clock, 0.3, 10)
     fast = g.controller.max_admitted(Criticality.CRITICAL)
     assert g.state()["speed_shifts"] == 0 and g.state()["latency_alone_s"] is None  # none alone
     alone = g.admit(None)
     clock.advance(0.25)
     g.release(alone, served=True)
     assert g.state()["latency_alone_s"] == pytest.approx(0.25)
-    serve_pairs(1.5, 2)  # the first window also holds fast pairs: two steps
+    serve_pairs(g, clock, 1.5, 2)  # the first window also holds fast pairs: two steps
     assert g.state()["speed_shifts"] == 2
-    serve_pairs(1.5, 5)
+    serve_pairs(g, clock, 1.5, 5)
     assert g.state()["speed_shifts"] == 2  # the machine stays slow: read once
     assert g.controller.model.latency_s(2) == pytest.approx(1.5, rel=0.05)
     assert g.controller.max_admitted(Criticality.CRITICAL) < fast / 3
