@@ -538,7 +538,7 @@ class ServiceModel:
     ALONE_COUNT = 3  # `alone_s`: the median of at most this many latest completions alone
 
     __slots__ = ("base_s", "per_request_s", "slots", "window_s", "alpha", "_measured", "_opened_at",
-                 "_window", "_near", "_sums", "_buckets", "_floor", "_alone", "_alone_s", "shifts")
+                 "_window", "_near", "_sums", "_buckets", "_floor", "_alone", "_alone_s", "shifts", "learned")
 
     def __init__(self, base_s: float, per_request_s: float, window_s: float = 1.0, alpha: float = 0.3,
                  trusted: bool = False, slots: int | None = None) -> None:
@@ -567,6 +567,7 @@ class ServiceModel:
         self._alone: list[list[float]] = []
         self._alone_s: float | None = None  # `alone_s`, as of the latest completion
         self.shifts = 0  # windows read as the machine changing speed (`shift`)
+        self.learned = False  # it (or the model it was copied from) has learned from a completion
 
     @classmethod
     def from_rate(cls, rate_per_s: float, window_s: float = 1.0, alpha: float = 0.3,
@@ -642,6 +643,7 @@ class ServiceModel:
         other = ServiceModel(self.base_s, self.per_request_s, self.window_s, self.alpha, slots=self.slots)
         other._measured = self._measured
         other._sums = list(self._sums)
+        other.learned = self.learned
         return other
 
     def observe(self, now: float, latency_s: float, service_s: float, ahead: int = 0) -> bool:
@@ -758,6 +760,7 @@ class ServiceModel:
         """Fold one completion into the bucket of its concurrency (``round(m)``), and recompute
         `floor` as of ``now``."""
         k = max(1, round(m))
+        self.learned = True
         b = self._buckets.get(k)
         if b is None:
             self._buckets[k] = [1.0, latency_s, now]
@@ -1348,8 +1351,9 @@ class AdmissionController:
         measured (its `fresh_reach`: the highest concurrency with a completion within
         `ServiceModel.FLOOR_FRESH_S`) was measured in a slower phase of the machine: it
         contradicts what was just measured, and is replaced by a copy of the model in force (its
-        line: `copy`; counted in ``models_replaced``). Where the model in force was measured but
-        has no fresh completion (a change at the onset of load after a calm), they are compared at the
+        line: `copy`; counted in ``models_replaced``). Where the model in force was measured (or
+        is the copy of one: `ServiceModel.learned`, as at a change up through a level never
+        measured) but has no fresh completion (a change at the onset of load after a calm), they are compared at the
         concurrency in flight (at least 1), where the door admits next: neither was measured
         just now, and the order of the levels still says which is wrong; the copy is what a
         level never measured starts from. Where the new level's model is slower only higher up
@@ -1373,7 +1377,7 @@ class AdmissionController:
         stale = False
         if level > self.level and level in self._models:
             at = self.model.fresh_reach(now)
-            if not at and self.model.fresh_reach():  # measured, but not just now: where the door is
+            if not at and self.model.learned:  # measured (or copied from a measured one), not just now
                 at = max(1, in_flight)
             stale = at > 0 and self._models[level].latency_s(at) > STALE_RATIO * self.model.latency_s(at)
         if level not in self._models or stale:

@@ -916,6 +916,28 @@ def test_a_higher_level_is_never_predicted_slower_than_the_level_in_force_just_m
     assert ctl.models_replaced == (expected == "in_force")
 
 
+def test_a_stale_level_model_is_caught_through_a_level_never_measured() -> None:
+    """At the onset of load the levels often rise two steps in a row, the first to a level never
+    measured, which starts from a copy of the model in force (no completion of its own yet). That
+    copy still carries what its origin measured (`ServiceModel.learned`), so the next step up is
+    checked against it: a model measured in a slower phase is replaced there too (seen 12-07 on
+    the AVX2 EPYC: level 3's model from the pinned, unbounded 3 x run set every cap to 1)."""
+    ctl = controller()
+    ctl.set_level(3)
+    served_at(ctl, 5, base=0.5, per=0.4, seconds=20)  # level 3, in a slow phase
+    slow = [ctl.max_admitted(k) for k in (C, S, D)]
+    ctl.set_level(0)
+    end = served_at(ctl, 5, base=0.5, per=0.2, seconds=20, t0=100.0)  # level 0, faster
+    fast = [ctl.max_admitted(k) for k in (C, S, D)]
+    assert slow != fast
+    at = end + 60.0  # a calm: nothing fresh
+    assert ctl.set_level(2, now=at, in_flight=5)  # never measured: a copy of level 0's model
+    assert ctl.model.learned and ctl.model.fresh_reach() == 0
+    assert ctl.set_level(3, now=at + 0.5, in_flight=5, left_in_flight=False)
+    assert ctl.models_replaced == 1 and [ctl.max_admitted(k) for k in (C, S, D)] == fast
+    assert not ServiceModel(1.0, 0.1).learned  # a prior has learned nothing
+
+
 # -- construction from the policy ----------------------------------------------------------------
 
 
