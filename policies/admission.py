@@ -1385,7 +1385,7 @@ class AdmissionController:
             self.models_replaced += stale
         self.level = level
         earlier = () if self._hold is None else self._hold[1]  # never holds `left`: it was in force
-        held = (*earlier, left) if left_in_flight is None or left_in_flight else earlier
+        held = (*earlier, left) if left_in_flight is not False else earlier
         held = tuple(m for m in held if m is not self.model)
         self._hold = ((now + self.e2e_s, held) if now is not None and in_flight > 0 and held else None)
         self._recompute()

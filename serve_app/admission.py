@@ -116,7 +116,6 @@ class AdmissionGate:
         # the tickets issued before it are still in flight
         self._change_seq = 0
         self._before_change = 0
-        self._since_change = 0  # tickets issued since the last level change still in flight
         self.admitted: Counter[str] = Counter()
         self.refused: Counter[tuple[str, str]] = Counter()
         # admitted requests the model has not started, each with the hook that stops its wait
@@ -233,7 +232,6 @@ class AdmissionGate:
         self.in_flight += 1
         self.admitted[criticality.value] += 1
         self._issued += 1
-        self._since_change += 1
         return Ticket(criticality, deadline_at, now, ahead, self.share.mark(now, self.in_flight), seq=self._issued)
 
     def _hand_over(self) -> None:
@@ -329,9 +327,7 @@ class AdmissionGate:
             # the requests ahead bound a queue only the door did not bound (`ServiceModel.observe`)
             ahead = ticket.ahead if ticket.deadline_at is None else 0
             self.controller.observe_completion(now, now - ticket.admitted_at, mark - ticket.share_mark, ahead)
-        if ticket.seq > self._change_seq:
-            self._since_change -= 1
-        elif self._before_change:
+        if self._before_change and ticket.seq <= self._change_seq:
             self._before_change -= 1
             if not self._before_change and self.controller is not None:
                 self.controller.end_hold()  # the last one admitted before the level change left
@@ -370,9 +366,10 @@ class AdmissionGate:
         self.level = int(level)
         if self.controller is not None:
             now = self._clock()
-            # the level left is held only if a request it admitted is still in flight
-            if self.controller.set_level(self.level, now, self.in_flight, self._since_change > 0):
-                self._change_seq, self._before_change, self._since_change = self._issued, self.in_flight, 0
+            # the level left is held only if a request it admitted is still in flight: the tickets
+            # in flight not issued before the last change
+            if self.controller.set_level(self.level, now, self.in_flight, self.in_flight > self._before_change):
+                self._change_seq, self._before_change = self._issued, self.in_flight
         if self._queue:  # that level's caps may have room for those waiting at the door
             self._hand_over()
 
