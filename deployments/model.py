@@ -8,8 +8,12 @@ cancellation) is aborted in vLLM at once: its batch slot and KV cache are freed,
 computed for nobody.
 
 Every stream yields typed events (frozen dataclasses, pickled across the handle): first
-`Started` (the prompt's token count) or a `ModelError`, then `Delta` increments; ``generate``
-returns one `Completion` or a `ModelError`. Errors are values, not exceptions, so the ingress
+`Reached` (the request reached this replica before its deadline: the ingress bounds its wait for
+a replica by that deadline) or a `ModelError`, then `Started` (the prompt's token count: vLLM
+computed the first token) or a `ModelError`, then `Delta` increments (``generate_stream``) or
+one `Completion` (``generate_whole``, the ingress's whole answers: streamed so that it too sees
+when the request reached a replica and when vLLM started it); ``generate`` returns the
+`Completion` or the `ModelError` alone. Errors are values, not exceptions, so the ingress
 can map them to HTTP statuses without unwrapping Ray's exception types; that holds for the
 engine's own failures too (`deployments.engine.EngineError`: its engine-core process died, vLLM
 refused with a status), which become a 503 `ModelError` (or vLLM's status), before the first event
@@ -52,6 +56,13 @@ class ModelError:
 
 
 @dataclass(frozen=True)
+class Reached:
+    """The first event of a request in time: it reached a model replica before its deadline.
+    Until it comes, the request waits for a replica (Serve's router: none is running, or every
+    one is full), which the ingress bounds by the deadline (`AdmissionGate.until_reached`)."""
+
+
+@dataclass(frozen=True)
 class Started:
     """The first event of an accepted stream: vLLM took the request."""
 
@@ -68,9 +79,11 @@ class Completion:
     finish_reason: str | None
 
 
-# What generate_stream yields: Started or ModelError first, then Delta increments (and, if the
-# engine fails mid-stream, a last ModelError).
-StreamEvent = Started | Delta | ModelError
+# What generate_stream yields: Reached or ModelError first, then Started or ModelError, then Delta
+# increments (and, if the engine fails mid-stream, a last ModelError). generate_whole yields the
+# same up to Started, then one Completion or ModelError.
+StreamEvent = Reached | Started | Delta | ModelError
+WholeEvent = Reached | Started | Completion | ModelError
 
 
 def engine_failure(err: EngineError) -> ModelError:
@@ -153,7 +166,8 @@ class VLLMModel:
         return prompt, ids
 
     async def generate_stream(self, request: Mapping[str, Any]) -> AsyncIterator[StreamEvent]:
-        """Stream one completion: `Started` (or a `ModelError`), then `Delta` increments.
+        """Stream one completion: `Reached`, `Started` (or a `ModelError` in place of either),
+        then `Delta` increments.
 
         Cancelling the consumer (Serve propagates a client disconnect) aborts the vLLM request.
         """
@@ -164,6 +178,7 @@ class VLLMModel:
             yield ModelError(503, "the request waited past its deadline before the model could start it; "
                              "retry later", None, kind="service_unavailable")
             return
+        yield Reached()
         prompt = self._prompt(request)
         if isinstance(prompt, ModelError):
             yield prompt
@@ -201,19 +216,30 @@ class VLLMModel:
             logger.error("VLLMModel: the engine is dead (%s); failing health checks so Serve replaces "
                          "this replica", err)
 
-    async def generate(self, request: Mapping[str, Any]) -> Completion | ModelError:
-        """The whole completion as one `Completion` (or the `ModelError`)."""
+    async def generate_whole(self, request: Mapping[str, Any]) -> AsyncIterator[WholeEvent]:
+        """One whole completion, streamed as `generate_stream` up to `Started`, then one
+        `Completion` (or the `ModelError` of a failure on the way)."""
         parts: list[str] = []
         last: Delta | None = None
         async for event in self.generate_stream(request):
-            if isinstance(event, ModelError):
-                return event
             if isinstance(event, Delta):
                 parts.append(event.text)
                 last = event
+                continue
+            yield event
+            if isinstance(event, ModelError):
+                return
         assert last is not None, "vLLM finished without output"
-        return Completion(text="".join(parts), prompt_tokens=last.prompt_tokens,
-                          completion_tokens=last.completion_tokens, finish_reason=last.finish_reason)
+        yield Completion(text="".join(parts), prompt_tokens=last.prompt_tokens,
+                         completion_tokens=last.completion_tokens, finish_reason=last.finish_reason)
+
+    async def generate(self, request: Mapping[str, Any]) -> Completion | ModelError:
+        """The whole completion as one `Completion` (or the `ModelError`)."""
+        last: WholeEvent | None = None
+        async for last in self.generate_whole(request):
+            pass
+        assert isinstance(last, (Completion, ModelError)), "the model's stream ended without an answer"
+        return last
 
     # -- observability -------------------------------------------------------------------------
 

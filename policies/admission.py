@@ -267,9 +267,10 @@ def should_drop(deadline_at: float | None, now: float, min_service_s: float = 0.
     return deadline_at is not None and now + min_service_s > deadline_at
 
 
-Reason = Literal["admitted", "class_share_exhausted", "saturated", "preempted"]
+Reason = Literal["admitted", "class_share_exhausted", "saturated", "preempted", "expired"]
 Limit = Literal["share", "reserve", "shut_out", "ramp", "overtaken", "saturated"]
-STATUS: dict[Reason, int] = {"admitted": 200, "class_share_exhausted": 429, "saturated": 503, "preempted": 429}
+STATUS: dict[Reason, int] = {"admitted": 200, "class_share_exhausted": 429, "saturated": 503, "preempted": 429,
+                             "expired": 503}
 
 
 @dataclass(frozen=True, slots=True)

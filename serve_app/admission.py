@@ -19,7 +19,10 @@ admitted or refused before any enrichment or model work:
   ``admission.critical_wait_share`` of the SLO (`admit_waiting`), then gets the 503; it gets
   the 503 at once while critical work alone saturates the server (`saturated_by`);
 - 429 ``preempted``, after admission: a more important request found the door full and took the
-  place of this one, which the model had not started yet (`waiting`, `preempted_error`).
+  place of this one, which the model had not started yet (`waiting`, `preempted_error`);
+- 503 ``expired``, after admission: no model replica took the request before its deadline (none
+  is running, or every one is full: it waited in Serve's router), so its answer could only be
+  late (`until_reached`).
 
 Both carry OpenAI's error JSON, a ``Retry-After`` computed from the predicted drain time of the
 backlog, and ``X-Brownout-Criticality``; each is counted by class and reason. An admitted request
@@ -81,6 +84,7 @@ class Ticket:
     share_mark: float = 0.0  # the gate's ShareClock at admission: its own service time starts here
     released: bool = False
     preempted: bool = False  # a more important request took its place before the model started it
+    expired: bool = False  # no model replica took it before its deadline (`until_reached`)
     seq: int = 0  # the gate's count of tickets issued, this one included
 
     @property
@@ -263,9 +267,9 @@ class AdmissionGate:
         wait is then cancelled, and the model ``call`` with it (``call.cancel()``: vLLM aborts
         the request), and `preempted_error` is raised: 429 with a computed Retry-After. No
         header has been sent yet, so the client gets an honest refusal, not a broken stream.
-        A whole (non-streamed) response gives way only during its pre stages: past them the
-        ingress cannot tell whether the model has started it. Critical requests give way to
-        none, and nothing gives way while admission is off."""
+        Whole (non-streamed) responses give way the same way: the ingress streams them too, as a
+        `Started` and then the `Completion`. Critical requests give way to none, and nothing
+        gives way while admission is off."""
         if ticket.criticality.rank == 0 or not self.enabled or ticket.released:
             return await awaitable
         task = asyncio.ensure_future(awaitable)
@@ -283,6 +287,32 @@ class AdmissionGate:
                 call.cancel()
             raise self.preempted_error(ticket)
         return result
+
+    async def until_reached(self, ticket: Ticket, awaitable: Awaitable[T]) -> T:
+        """Await the model's first event (`deployments.model.Reached`: a model replica has the
+        request), for no longer than the ticket's deadline. A request that no replica took by
+        then (none is running, or every one is full) could only be answered late, and the model
+        deployment would drop it on arrival (`should_drop`); without this bound it would wait in
+        Serve's router until a replica starts, minutes for a replaced one. Past the deadline the
+        wait is cancelled and `expired_error` raised (the caller cancels the model call, which is
+        still in Serve's router). No deadline (admission off): no bound."""
+        if ticket.deadline_at is None:
+            return await awaitable
+        try:
+            return await asyncio.wait_for(awaitable, max(0.0, ticket.deadline_at - self._clock()))
+        except TimeoutError:
+            ticket.expired = True
+            self._count_refusal(ticket.criticality, "expired")
+            raise self.expired_error(ticket) from None
+
+    def expired_error(self, ticket: Ticket) -> RequestError:
+        """The 503 of a request no model replica took before its deadline (`until_reached`), with
+        the drain time of the work admitted as ``Retry-After``."""
+        retry = self.drain_s()
+        message = (f"{ticket.criticality.value} request not taken by a model replica before its deadline "
+                   f"(none is running, or every one is full): its answer could only be late. "
+                   f"Retry after {retry} s.")
+        return _refusal_error(503, ticket.criticality, retry, message)
 
     def started(self, ticket: Ticket) -> None:
         """The model started ``ticket``'s request (or it no longer waits): it keeps its place."""

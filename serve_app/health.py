@@ -6,10 +6,15 @@ router for a replica that is not there yet; the client should rather hear at onc
 is unavailable, with a ``Retry-After``. So the ingress keeps this small state, fed by what it sees:
 
 * a probe (`Ingress._probe_model`, every ``pipeline.model_probe_s``) asks a model replica for
-  its engine's health, with a time-out: healthy -> up; engine dead, replica gone, no answer in
-  time -> down;
+  its engine's health, with a time-out: healthy -> up; engine dead, replica gone -> down; no
+  answer in time says nothing (a busy replica answers late too, and so does Serve's router while
+  it has no replica to send the probe to);
 * a request whose model call failed for the model's own reason (engine dead, replica died) ->
   down; one the model served -> up.
+
+What this state has not caught yet, the deadline does: a request that no model replica takes
+before its deadline gets its 503 then (`AdmissionGate.until_reached`), not when a new replica
+starts.
 
 While down, a new request is refused with 503 + ``Retry-After`` before any work is queued. The
 latest observation wins, so with several model replicas one dead replica can refuse requests for

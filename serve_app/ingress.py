@@ -19,7 +19,8 @@ also puts ``X-Brownout-Level`` on every response). A stream that fails after its
 ends with an OpenAI-shaped ``error`` event and ``data: [DONE]``. While the model is known to be
 down (`serve_app.health.ModelHealth`, fed by a probe and by the model calls themselves), new
 requests get 503 + ``Retry-After`` at once instead of waiting in Serve's router for a replica
-that is still starting.
+that is still starting; before anything has said so, a request's wait there ends at its deadline
+(503 ``expired``, `AdmissionGate.until_reached`).
 
 ``/openapi.json`` describes every request body (the OpenAI request models, the admin override)
 and every error response (OpenAI's error schema), although the routes read the raw body
@@ -766,11 +767,17 @@ class Ingress:
         elif stream:
             self.pipeline.handle_calls[MODEL] += 1
             gen = self.model.options(stream=True).generate_stream.remote(self._model_request(ctx, ticket))
-            await self.gate.until_started(ticket, self._model_call(gen.__anext__()), gen)
+            await self._model_start(ticket, gen)
         else:
-            gen = None
             self.pipeline.handle_calls[MODEL] += 1
-            result = await self._model_call(self.model.generate.remote(self._model_request(ctx, ticket)))
+            whole = self.model.options(stream=True).generate_whole.remote(self._model_request(ctx, ticket))
+            await self._model_start(ticket, whole)
+            try:
+                result = await self._model_call(whole.__anext__())
+            except BaseException:
+                whole.cancel()  # a client gone (or a failure): vLLM aborts the request
+                raise
+            gen = None
             self.gate.release(ticket, served=True)
 
         if stream:
@@ -788,6 +795,22 @@ class Ingress:
         doc = build(rid, self.served_model_name, echo_prefix + ctx.text, result.finish_reason,
                     result.prompt_tokens, result.completion_tokens)
         return JSONResponse(doc, headers=ctx.headers())
+
+    async def _model_start(self, ticket: Ticket, gen: Any) -> None:
+        """Until the model has started the request (`Started`: vLLM computed its first token),
+        through the two waits before it: for a model replica to take it (`Reached`), bounded by
+        the request's deadline (`AdmissionGate.until_reached`: 503 ``expired``), then in vLLM's
+        queue. Meanwhile a more important request may take its place (`until_started`). Any way
+        this ends early (refused, failed, the client gone) cancels the model call."""
+        async def reached_then_started() -> None:
+            await self.gate.until_reached(ticket, self._model_call(gen.__anext__()))
+            await self._model_call(gen.__anext__())
+
+        try:
+            await self.gate.until_started(ticket, reached_then_started(), gen)
+        except BaseException:
+            gen.cancel()
+            raise
 
     async def _model_call(self, awaitable: Any) -> Any:
         """`_model_call`, with a computed Retry-After on the model's own 503s (a late drop); what
@@ -940,8 +963,8 @@ class Ingress:
         except RequestError as err:
             if ticket is not None:
                 self.gate.release(ticket, served=False)
-            if ctx is not None:  # audited once, with its outcome (refused at the door or preempted, or failed)
-                refused = ticket is None or ticket.preempted
+            if ctx is not None:  # audited once, with its outcome (refused: at the door, preempted or expired)
+                refused = ticket is None or ticket.preempted or ticket.expired
                 self.pipeline.abandon(ctx, "refused" if refused else "failed", err.status)
             return err.response({LEVEL_HEADER: str(int(self.view.level))})
         except Exception as err:  # noqa: BLE001 - infrastructure (503) or our bug (500): JSON either way

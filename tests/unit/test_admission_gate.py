@@ -292,6 +292,79 @@ async def _raise(err: Exception) -> None:
     raise err
 
 
+# -- the wait for a model replica is bounded by the deadline ----------------------------------
+
+
+def test_until_reached_passes_the_first_event_through_within_the_deadline() -> None:
+    async def scenario() -> None:
+        refusals: list = []
+        g = gate(refusals=refusals)
+        t = g.admit("standard")
+        g._clock.advance(1.9)  # 0.1 s of its 2 s left
+        assert await g.until_reached(t, asyncio.sleep(0.01, result="reached")) == "reached"
+        assert refusals == [] and not t.expired and g.in_flight == 1
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("left_s", [0.05, 0.0, -1.0])
+def test_until_reached_refuses_with_503_at_the_deadline_and_cancels_the_wait(left_s: float) -> None:
+    async def scenario() -> None:
+        refusals: list = []
+        g = gate(refusals=refusals)
+        t = g.admit("sheddable")
+        g._clock.advance(2.0 - left_s)  # the deadline is 2 s after admission
+        never = asyncio.get_running_loop().create_future()  # no replica takes it
+        with pytest.raises(RequestError) as err:
+            await asyncio.wait_for(g.until_reached(t, never), 5)
+        assert err.value.status == 503 and "deadline" in err.value.message
+        assert err.value.headers["Retry-After"].isdigit() and int(err.value.headers["Retry-After"]) >= 1
+        assert err.value.headers["X-Brownout-Criticality"] == "sheddable"
+        assert never.cancelled() and t.expired and not t.preempted
+        assert refusals == [(Criticality.SHEDDABLE, "expired")] and g.refused == {("sheddable", "expired"): 1}
+        assert g.in_flight == 1  # the caller releases the ticket, as for any failure after admission
+
+    asyncio.run(scenario())
+
+
+def test_until_reached_does_not_bound_a_request_without_a_deadline() -> None:
+    async def scenario() -> None:
+        g = gate({**SLO_POLICY, "admission": {"enabled": False}})
+        t = g.admit("standard")
+        assert t.deadline_at is None
+        g._clock.advance(100.0)
+        assert await g.until_reached(t, asyncio.sleep(0.05, result="reached")) == "reached"
+        assert g.refused == {}
+
+    asyncio.run(scenario())
+
+
+def test_a_request_waiting_for_a_replica_can_be_preempted_and_is_not_counted_expired() -> None:
+    async def scenario() -> None:
+        g = gate()
+        victim = g.admit("sheddable")
+        fill(g, 18)
+
+        class Call:
+            cancelled = 0
+
+            def cancel(self) -> None:
+                Call.cancelled += 1
+
+        never = asyncio.get_running_loop().create_future()
+        waits = asyncio.ensure_future(g.until_started(victim, g.until_reached(victim, never), Call()))
+        for _ in range(3):  # until it waits for a replica
+            await asyncio.sleep(0)
+        g.admit(None, base=Criticality.CRITICAL)  # the door is full: it takes the victim's place
+        with pytest.raises(RequestError) as err:
+            await asyncio.wait_for(waits, 5)
+        assert err.value.status == 429 and "preempted" in err.value.message
+        assert never.cancelled() and Call.cancelled == 1 and not victim.expired
+        assert g.refused == {("sheddable", "preempted"): 1}
+
+    asyncio.run(scenario())
+
+
 # -- a critical request at the full door waits for the next freed slot ------------------------
 
 

@@ -8,13 +8,14 @@ vLLM-specific and runs in the integration fault test, `tests/integration/test_fa
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
 from deployments.engine import Delta, EngineError, EngineSettings
-from deployments.model import ModelError, Started, VLLMModel
+from deployments.model import Completion, ModelError, Reached, Started, VLLMModel
 
 
 class StubEngine:
@@ -78,18 +79,24 @@ CONFLICT = EngineError("already active", status=409)
 ])
 def test_an_engine_failure_before_the_first_token_is_one_model_error(fail_after, error, status, dead) -> None:  # type: ignore[no-untyped-def]
     m = model(StubEngine(fail_after, error))
-    (only,) = asyncio.run(events(m))
+    reached, only = asyncio.run(events(m))
+    assert isinstance(reached, Reached)
     assert isinstance(only, ModelError) and (only.status, only.engine_dead) == (status, dead)
     assert only.kind == ("service_unavailable" if status == 503 else "invalid_request_error")
     assert m.engine_failures == 1
     assert isinstance(asyncio.run(m.generate({"prompt": "a b", "max_tokens": 3})), ModelError)
+    whole = asyncio.run(_collect(m.generate_whole({"prompt": "a b", "max_tokens": 3})))
+    assert [type(e) for e in whole] == [Reached, ModelError]
 
 
 def test_an_engine_death_mid_stream_ends_it_with_a_model_error() -> None:
     m = model(StubEngine(2, DEAD))
     got = asyncio.run(events(m))
-    assert isinstance(got[0], Started) and [type(e) for e in got[1:3]] == [Delta, Delta]
+    assert [type(e) for e in got[:4]] == [Reached, Started, Delta, Delta]
     assert isinstance(got[-1], ModelError) and got[-1].status == 503 and got[-1].engine_dead
+    # a whole answer: the same start, then the failure in place of the Completion
+    whole = asyncio.run(_collect(model(StubEngine(2, DEAD)).generate_whole({"prompt": "a b", "max_tokens": 3})))
+    assert [type(e) for e in whole] == [Reached, Started, ModelError] and whole[-1].engine_dead
 
 
 def test_health_asks_the_engine() -> None:
@@ -109,8 +116,29 @@ def test_the_shaped_stream_interval_reaches_the_engine_and_none_leaves_it_the_en
     m = model(engine)
     asyncio.run(events(m))
     got = asyncio.run(_collect(m.generate_stream({"prompt": "a b", "max_tokens": 3, "stream_interval": 8})))
-    assert [type(e) for e in got] == [Started, Delta, Delta, Delta]
+    assert [type(e) for e in got] == [Reached, Started, Delta, Delta, Delta]
     assert engine.stream_intervals == [None, 8]
+
+
+def test_a_whole_answer_streams_reached_started_then_one_completion() -> None:
+    m = model(StubEngine(None, DEAD))
+    got = asyncio.run(_collect(m.generate_whole({"prompt": "a b", "max_tokens": 3})))
+    assert [type(e) for e in got] == [Reached, Started, Completion]
+    assert got[1].prompt_tokens == 2
+    assert got[2] == Completion(text="ttt", prompt_tokens=2, completion_tokens=3, finish_reason="length")
+    assert asyncio.run(m.generate({"prompt": "a b", "max_tokens": 3})) == got[2]
+
+
+@pytest.mark.parametrize("method", ["generate_stream", "generate_whole"])
+def test_a_request_past_its_deadline_on_arrival_is_dropped_before_it_is_reached(method: str) -> None:
+    engine = StubEngine(None, DEAD)
+    m = model(engine)
+    late = {"prompt": "a b", "max_tokens": 3, "deadline_at": time.time() - 0.01}
+    (only,) = asyncio.run(_collect(getattr(m, method)(late)))
+    assert isinstance(only, ModelError) and only.status == 503 and "deadline" in only.message
+    assert m.dropped_late == 1 and engine.stream_intervals == []  # the engine never saw it
+    in_time = asyncio.run(_collect(getattr(m, method)({**late, "deadline_at": time.time() + 60})))
+    assert type(in_time[0]) is Reached and m.dropped_late == 1
 
 
 async def _collect(stream: AsyncIterator[Any]) -> list[Any]:
