@@ -131,6 +131,15 @@ def wait_in_flight(http: httpx.Client, n: int, held: list[cf.Future[httpx.Respon
         time.sleep(0.05)
 
 
+def wait_started(http: httpx.Client, held: list[cf.Future[httpx.Response]]) -> None:
+    """Until no admitted request of a lower class waits for the model to start it."""
+    deadline = time.monotonic() + 20
+    while admission_state(http)["waiting"] > 0:
+        done = [(f.result().status_code, f.result().text[:200]) for f in held if f.done()]
+        assert time.monotonic() < deadline, (admission_state(http), "finished already:", done)
+        time.sleep(0.05)
+
+
 def refused(cluster: Cluster, criticality: str, status: int) -> httpx.Response:
     t0 = time.monotonic()
     r = post(cluster, criticality, 8)
@@ -163,7 +172,11 @@ def test_overload_is_refused_at_once_least_important_first(
         # and critical work is admitted up to the last slot the SLO allows (7 in flight).
         held += [pool.submit(post, url, None, 240) for _ in range(2)]
         wait_in_flight(http, 7, held)
-        # Past that even critical work would miss the SLO: the service is saturated (503).
+        # Once the model has started every lower-class request (none left to give way: a
+        # critical request at the full door takes the place of one that still waits for its
+        # first token, whole answers too), even critical work would miss the SLO: the service
+        # is saturated (503).
+        wait_started(http, held)
         refused(url, "critical", 503)
         answers = [f.result() for f in held]
     assert [r.status_code for r in answers] == [200] * 7, [r.text for r in answers if r.status_code != 200]
