@@ -3,18 +3,18 @@
 The class is plain (no decorator): `serve_app/app.py` binds it. It takes OpenAI-shaped request
 dicts that the ingress has already validated, renders chat prompts with the model's own chat
 template, enforces the prompt-length limit in tokens (only the model's tokenizer can count them),
-and streams or returns completions. A request whose caller goes away (client disconnect, Serve
-cancellation) is aborted in vLLM at once: its batch slot and KV cache are freed, and nothing is
-computed for nobody.
+and streams completions, in increments or whole. A request whose caller goes away (client
+disconnect, Serve cancellation) is aborted in vLLM at once: its batch slot and KV cache are
+freed, and nothing is computed for nobody.
 
 Every stream yields typed events (frozen dataclasses, pickled across the handle): first
 `Reached` (the request reached this replica before its deadline: the ingress bounds its wait for
 a replica by that deadline) or a `ModelError`, then `Started` (the prompt's token count: vLLM
 computed the first token) or a `ModelError`, then `Delta` increments (``generate_stream``) or
 one `Completion` (``generate_whole``, the ingress's whole answers: streamed so that it too sees
-when the request reached a replica and when vLLM started it); ``generate`` returns the
-`Completion` or the `ModelError` alone. Errors are values, not exceptions, so the ingress
-can map them to HTTP statuses without unwrapping Ray's exception types; that holds for the
+when the request reached a replica and when vLLM started it). Errors are values, not
+exceptions, so the ingress can map them to HTTP statuses without unwrapping Ray's exception
+types; that holds for the
 engine's own failures too (`deployments.engine.EngineError`: its engine-core process died, vLLM
 refused with a status), which become a 503 `ModelError` (or vLLM's status), before the first event
 or in the middle of a stream. The prompt is tokenised once, here: the ids that were counted
@@ -232,14 +232,6 @@ class VLLMModel:
         assert last is not None, "vLLM finished without output"
         yield Completion(text="".join(parts), prompt_tokens=last.prompt_tokens,
                          completion_tokens=last.completion_tokens, finish_reason=last.finish_reason)
-
-    async def generate(self, request: Mapping[str, Any]) -> Completion | ModelError:
-        """The whole completion as one `Completion` (or the `ModelError`)."""
-        last: WholeEvent | None = None
-        async for last in self.generate_whole(request):
-            pass
-        assert isinstance(last, (Completion, ModelError)), "the model's stream ended without an answer"
-        return last
 
     # -- observability -------------------------------------------------------------------------
 

@@ -84,7 +84,6 @@ def test_an_engine_failure_before_the_first_token_is_one_model_error(fail_after,
     assert isinstance(only, ModelError) and (only.status, only.engine_dead) == (status, dead)
     assert only.kind == ("service_unavailable" if status == 503 else "invalid_request_error")
     assert m.engine_failures == 1
-    assert isinstance(asyncio.run(m.generate({"prompt": "a b", "max_tokens": 3})), ModelError)
     whole = asyncio.run(_collect(m.generate_whole({"prompt": "a b", "max_tokens": 3})))
     assert [type(e) for e in whole] == [Reached, ModelError]
 
@@ -126,7 +125,6 @@ def test_a_whole_answer_streams_reached_started_then_one_completion() -> None:
     assert [type(e) for e in got] == [Reached, Started, Completion]
     assert got[1].prompt_tokens == 2
     assert got[2] == Completion(text="ttt", prompt_tokens=2, completion_tokens=3, finish_reason="length")
-    assert asyncio.run(m.generate({"prompt": "a b", "max_tokens": 3})) == got[2]
 
 
 @pytest.mark.parametrize("method", ["generate_stream", "generate_whole"])
