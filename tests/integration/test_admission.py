@@ -15,7 +15,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -123,21 +123,24 @@ def post(cluster: Cluster, criticality: str | None, max_tokens: int, key: str | 
         return client.post(CHAT, json=body, headers=headers)
 
 
-def wait_in_flight(http: httpx.Client, n: int, held: list[cf.Future[httpx.Response]] | None = None) -> None:
+def wait_state(http: httpx.Client, reached: Callable[[dict[str, Any]], bool],
+               held: list[cf.Future[httpx.Response]] | None = None) -> None:
+    """Until the door's state (`admission_state`) is ``reached``, for up to 20 s; past them the
+    failure shows the state and what the ``held`` requests answered already."""
     deadline = time.monotonic() + 20
-    while admission_state(http)["in_flight"] < n:
+    while not reached(admission_state(http)):
         done = [(f.result().status_code, f.result().text[:200]) for f in held or () if f.done()]
         assert time.monotonic() < deadline, (admission_state(http), "finished already:", done)
         time.sleep(0.05)
 
 
+def wait_in_flight(http: httpx.Client, n: int, held: list[cf.Future[httpx.Response]] | None = None) -> None:
+    wait_state(http, lambda state: state["in_flight"] >= n, held)
+
+
 def wait_started(http: httpx.Client, held: list[cf.Future[httpx.Response]]) -> None:
     """Until no admitted request of a lower class waits for the model to start it."""
-    deadline = time.monotonic() + 20
-    while admission_state(http)["waiting"] > 0:
-        done = [(f.result().status_code, f.result().text[:200]) for f in held if f.done()]
-        assert time.monotonic() < deadline, (admission_state(http), "finished already:", done)
-        time.sleep(0.05)
+    wait_state(http, lambda state: state["waiting"] == 0, held)
 
 
 def refused(cluster: Cluster, criticality: str, status: int) -> httpx.Response:
@@ -206,11 +209,7 @@ def preempt_policy(deployed: Cluster, http: httpx.Client) -> Iterator[None]:
 
 def wait_waiting(http: httpx.Client, n: int, held: list[cf.Future[httpx.Response]]) -> None:
     """Until ``n`` admitted requests of the lower classes wait for the model to start them."""
-    deadline = time.monotonic() + 20
-    while admission_state(http)["waiting"] < n:
-        done = [(f.result().status_code, f.result().text[:200]) for f in held if f.done()]
-        assert time.monotonic() < deadline, (admission_state(http), "finished already:", done)
-        time.sleep(0.05)
+    wait_state(http, lambda state: state["waiting"] >= n, held)
 
 
 def test_a_critical_request_at_the_full_door_takes_the_place_of_a_waiting_standard_one(
