@@ -20,7 +20,8 @@ ends with an OpenAI-shaped ``error`` event and ``data: [DONE]``. While the model
 down (`serve_app.health.ModelHealth`, fed by a probe and by the model calls themselves), new
 requests get 503 + ``Retry-After`` at once instead of waiting in Serve's router for a replica
 that is still starting; before anything has said so, a request's wait there ends at its deadline
-(503 ``expired``, `AdmissionGate.until_reached`).
+(503 ``expired``, `AdmissionGate.until_reached`), and that expiry, with nothing from the model
+for as long, says so (`ModelHealth.observe_expired`).
 
 ``/openapi.json`` describes every request body (the OpenAI request models, the admin override)
 and every error response (OpenAI's error schema), although the routes read the raw body
@@ -803,7 +804,13 @@ class Ingress:
         queue. Meanwhile a more important request may take its place (`until_started`). Any way
         this ends early (refused, failed, the client gone) cancels the model call."""
         async def reached_then_started() -> None:
-            await self.gate.until_reached(ticket, self._model_call(gen.__anext__()))
+            sent = time.monotonic()
+            try:
+                await self.gate.until_reached(ticket, self._model_call(gen.__anext__()))
+            except RequestError:
+                if ticket.expired:  # no replica took it: down, if none has answered meanwhile either
+                    self.model_health.observe_expired(time.monotonic() - sent)
+                raise
             await self._model_call(gen.__anext__())
 
         try:

@@ -283,6 +283,28 @@ def test_model_health_follows_the_latest_observation() -> None:
     assert h.refusal() is None and h.state()["up"] and h.since == 105.0
 
 
+def test_an_expiry_marks_the_model_down_only_where_it_has_not_answered_for_as_long() -> None:
+    from serve_app.health import ModelHealth
+
+    now = [100.0]
+    h = ModelHealth(clock=lambda: now[0])
+    h.observe(True)  # a probe's answer at 100
+    now[0] = 101.5
+    assert not h.observe_expired(2.0) and h.up  # it answered 1.5 s ago: the replicas were full, not gone
+    now[0] = 102.0
+    assert h.observe_expired(2.0) and not h.up  # silent for the whole 2 s wait: no replica takes work
+    assert "2.0 s" in (h.refusal() or "") and h.downs == 1 and h.since == 102.0
+    assert h.heard_at == 100.0  # an expiry is no answer from the model
+    now[0] = 103.0
+    assert h.observe_expired(2.0) and h.downs == 1  # still down: one transition
+    h.observe(True)  # a probe answers again: up at once
+    assert h.up and h.refusal() is None and h.heard_at == 103.0
+    for bad in (float("nan"), -1.0, float("inf")):
+        assert not h.observe_expired(bad) and h.up
+    fresh = ModelHealth(clock=lambda: now[0])  # nothing ever answered
+    assert fresh.observe_expired(0.5) and "since the ingress started" in (fresh.reason or "")
+
+
 def _app_with_error_handling():  # type: ignore[no-untyped-def]
     from fastapi import FastAPI
     from starlette.responses import StreamingResponse
