@@ -115,7 +115,7 @@ DEFAULT_SHARES: tuple[float, float, float] = tuple(  # type: ignore[assignment]
 class Setting:
     shares: tuple[float, float, float] = DEFAULT_SHARES
     reserve_quantile: float = 0.99
-    critical_wait_share: float = 0.1
+    critical_wait_share: float = AdmissionConfig.model_fields["critical_wait_share"].default
     ramp_step: int | None = AdmissionConfig.model_fields["ramp_step"].default  # None: a fifth of the batch
     speed_lag_s: float | None = None  # the slow phase's factor told to the door this late; None: not told
     overtaken: bool = True  # False: the door as before 12-07, its caps not counting the work that overtakes
