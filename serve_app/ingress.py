@@ -890,6 +890,7 @@ class Ingress:
                     parts.append(delta.text)
                     yield chunk(delta.text, delta.finish_reason)
                 release(True)  # the model is done with it: a completion that measures its rate
+                self.model_health.observe(True)  # and it answered (`ModelHealth.observe_expired` reads when)
         except Exception as err:  # noqa: BLE001 - headers are sent; report in-band, then end the stream
             release(False)
             logger.warning("stream %s failed: %s", rid, type(err).__name__)  # no request text in logs
