@@ -87,16 +87,15 @@ The rule, and why:
   least `RAMP_MIN`: additive increase, each completion higher up opening the next step;
   critical work keeps its own cap.
 - **Critical work at a full door waits for the next freed slot** (`serve_app.admission`): for up
-  to ``admission.critical_wait_share`` (0.2) of the SLO, first come first served, before it is
+  to ``admission.critical_wait_share`` (0.1) of the SLO, first come first served, before it is
   refused; every release hands its slot to the first in line while critical's cap has room, and
   no lower class is admitted meanwhile (those waiting count as ahead of it). Under load slots
   free several times a second, so most of the critical refusals a full door would make become
-  short waits; the deadline still runs from the request's arrival. (0.2, not 0.1: the 5 critical
-  requests refused in the 3 x C0 runs of 12-07 on the 2-core AVX2 EPYC, 5 s SLO, were each a
-  503 after its whole 0.5 s wait, median 521-567 ms, at a door full for a moment at the onset of
-  load, while critical work ran at a p99 of 0.73-0.90 x the SLO, room for a longer wait; at a
-  door whose slots free at ``rate_per_s`` the chance that none frees within the wait falls from
-  ``exp(-0.1 * rate * SLO)`` to its square: bench/RESULTS.md, 12-07 noon.) Not while critical work alone
+  short waits; the deadline still runs from the request's arrival. (A wait twice as long, 0.2,
+  refused as many: measured (12-07, 2-core AVX2 EPYC, 5 s SLO, three repeats at 3 x C0 with 20%
+  critical work), 3 critical requests refused, each after its whole 1 s wait, as with 0.1: at
+  the onset the door stays full for 2 s and more, while the standard work admitted in the first
+  seconds runs, or while a slow engine reading has halved the caps: bench/RESULTS.md.) Not while critical work alone
   arrives at least as fast as the server completes requests (`saturated_by`): every freed slot
   then goes to a critical request anyway, and one that waited for it has spent that much of its
   budget at a door whose cap already uses the rest (at 3 x C0 with every request critical,

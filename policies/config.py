@@ -380,7 +380,7 @@ class AdmissionConfig(_Strict):
         "some finishing late under overload (null: not counted, each class's share alone)",
     )
     critical_wait_share: float = Field(
-        default=0.2, ge=0.0, le=0.5, allow_inf_nan=False,
+        default=0.1, ge=0.0, le=0.5, allow_inf_nan=False,
         description="a critical request that finds the door full waits for a freed slot for up to "
         "this share of slo.e2e_p99_ms (lower classes are refused meanwhile) before it is refused "
         "(0: refused at once; so is every critical request while critical work alone arrives faster "

@@ -397,7 +397,7 @@ def test_a_critical_request_is_refused_past_its_wait_and_counted_once() -> None:
         refusals: list = []
         g = gate(refusals=refusals)
         tickets = fill(g, 19)
-        # 0.2 of the 2 s SLO: refused after 0.4 s with nothing freed
+        # 0.1 of the 2 s SLO: refused after 0.2 s with nothing freed
         with pytest.raises(RequestError) as err:
             await asyncio.wait_for(g.admit_waiting(None, base=Criticality.CRITICAL), 5)
         assert err.value.status == 503 and int(err.value.headers["Retry-After"]) >= 1
