@@ -95,12 +95,12 @@ The rule, and why:
   refused as many: measured (12-07, 2-core AVX2 EPYC, 5 s SLO, three repeats at 3 x C0 with 20%
   critical work), 3 critical requests refused, each after its whole 1 s wait, as with 0.1: at
   the onset the door stays full for 2 s and more, while the standard work admitted in the first
-  seconds runs, or while a slow engine reading has halved the caps: bench/RESULTS.md.) Not while critical work alone
-  arrives at least as fast as the server completes requests (`saturated_by`): every freed slot
-  then goes to a critical request anyway, and one that waited for it has spent that much of its
-  budget at a door whose cap already uses the rest (at 3 x C0 with every request critical,
-  before this: each refusal came after its wait, 222 ms median, and the median latency was
-  1.98 s; after it: refusals in 20 ms, goodput 1.01 x C3).
+  seconds runs, or while a slow engine reading has halved the caps: bench/RESULTS.md.) Not
+  while critical work alone arrives at least as fast as the server completes requests
+  (`saturated_by`): every freed slot then goes to a critical request anyway, and one that
+  waited for it has spent that much of its budget at a door whose cap already uses the rest (at
+  3 x C0 with every request critical, before this: each refusal came after its wait, 222 ms
+  median, and the median latency was 1.98 s; after it: refusals in 20 ms, goodput 1.01 x C3).
 - **Waiting work of a lower class gives way (preemption).** Room is kept from measured rates,
   so it lags a step up: at the onset of an overload from idle the door fills with whatever
   arrives first, before any rate says how much room critical work needs (measured at 0 -> 3x C0
