@@ -1349,6 +1349,18 @@ class AdmissionController:
         the change, or without ``now``, the new level's caps apply at once. A hold only lowers
         caps, so a change to a slower level is not delayed.
 
+        Critical work is held only while no class below it arrives (`critical_cap`). Where one
+        does, the classes below are held and critical's cap is the new level's: held too, it
+        would invert the classes' order, keeping critical requests out while the work of the
+        classes below admitted before the change (at the onset of load, before any critical
+        arrival was measured to keep room by) fills the door to critical's held cap. Measured
+        (12-07, 2-core AVX2 EPYC, 5 s SLO, 3 x C0 with 20% critical work): level 2 came 2.8 s
+        into the run with 6 in flight, all admitted at level 0; the door stood at critical's
+        held cap of 7 from 3.3 s to 5.4 s, where the new level's was 10, two critical requests
+        waited at it and one was refused after its whole wait. What critical work adds beyond
+        the held cap is its own arrivals during the hold, which lasts one SLO at most. Where
+        critical work alone arrives, the hold bounds its own requests in flight, as for any class.
+
         Levels are ordered by cost: a higher level does a subset of the optional work of the one
         below and shapes answers at least as short, so on the same machine it is at least as
         fast at any concurrency. So on a change up, a model of the new level that predicts more
@@ -1469,7 +1481,7 @@ class AdmissionController:
             self._admitted[rank].add(now)
             return Decision(True, criticality, "admitted", 200, self.predicted_e2e_s(ahead), cap,
                             deadline_at=now + self.e2e_s)
-        reason: Reason = "saturated" if ahead >= self._caps[0] else "class_share_exhausted"
+        reason: Reason = "saturated" if ahead >= self.critical_cap(now) else "class_share_exhausted"
         limit: Limit = ("saturated" if reason == "saturated" else "share" if ahead >= self._caps[rank]
                         else "shut_out" if cap == 0 else "ramp" if cap < self._reserved(now)[rank]
                         else "overtaken" if ahead >= self._overtaken[rank] else "reserve")
@@ -1685,18 +1697,31 @@ class AdmissionController:
         class is shut out (0) rather than let in whenever the server happens to be idle for a
         moment. Without it, where caps are small (a few requests fill the batch) standard and
         sheddable both sit at the floor of 1 under overload and are shed alike, not in order.
-        While a level change's hold lasts (`set_level`), at most the caps before the change; and
-        for the classes below critical, at most `ramp_limit` while critical work arrives."""
+        While a level change's hold lasts (`set_level`), at most the caps before the change
+        (critical's only while no class below it arrives: `critical_cap`); and for the classes
+        below critical, at most `ramp_limit` while critical work arrives."""
         self._expire_hold(now)
         rank = _RANK[criticality]
         if rank and self._first_saturate(rank, now):  # the classes above it take every slot
             return 0
         limit = self._reserved(now)[rank]
-        if rank:
+        if not rank:
+            limit = min(limit, self.critical_cap(now))
+        else:
             ramp = self.ramp_limit(now)
             if ramp is not None:
                 limit = min(limit, ramp)
         return limit
+
+    def critical_cap(self, now: float) -> int:
+        """Critical's share's cap now (`max_admitted`), within the hold of a level change
+        (`set_level`) only while no class below critical arrives (`ArrivalRate.present`): the
+        door is saturated at it."""
+        self._expire_hold(now)
+        held = self._held_critical
+        if held is not None and not any(a.present(now) for a in self._arrivals[1:]):
+            return held
+        return self._caps[0]
 
     def arrival_rates(self, now: float) -> dict[str, tuple[float, float]]:
         """Each class's measured arrival rate (requests/s offered, admitted or refused) as
@@ -1835,13 +1860,18 @@ class AdmissionController:
         # admitted iff overhead + latency_s(ahead + 1) <= overhead + share * budget
         predictor = self.predictor
         caps = tuple(predictor.max_within(share * self.budget_s) for share in self._shares)
+        held_critical = None
         if self._hold is not None:  # a level change's requests are still in flight (`set_level`)
             f = self._speed.value
+            held_critical = caps[0]
             for m in self._hold[1]:  # the levels they were admitted at, at the speed in force
                 held = m if f == 1.0 else SlowedModel(m, f)
-                caps = tuple(min(c, held.max_within(share * self.budget_s))
-                             for c, share in zip(caps, self._shares))
+                bound = tuple(held.max_within(share * self.budget_s) for share in self._shares)
+                # critical's own bound applies only where no class below it arrives (`critical_cap`)
+                caps = caps[:1] + tuple(min(c, b) for c, b in zip(caps[1:], bound[1:]))
+                held_critical = min(held_critical, bound[0])
         self._caps = caps
+        self._held_critical = held_critical
         self._tail_factor = self._tail.factor()
         self._tail_limit = (None if len(self._tail) < TAIL_MIN else
                             predictor.max_within(self._shares[0] * self.budget_s / self._tail_factor))
@@ -1861,8 +1891,13 @@ class AdmissionController:
 
         Critical's cap is the queue cap to size the hops with: behind it no admitted request
         waits past the SLO. Beyond ``slots`` the rest wait for the model (``model_queued``).
+        While a level change's hold lasts, each class's cap as held (`set_level`); critical's
+        hold applies only while no class below it arrives (`critical_cap`).
         """
-        return self._caps[_RANK[criticality]]
+        rank = _RANK[criticality]
+        if not rank and self._held_critical is not None:  # as held: `critical_cap` says when it applies
+            return self._held_critical
+        return self._caps[rank]
 
     def predicted_e2e_s(self, ahead: int) -> float:
         return self.overhead_s + self.predictor.latency_s(ahead + 1)

@@ -837,9 +837,46 @@ def test_a_level_change_holds_the_caps_it_left_while_its_requests_run(
     now = {"slo": 200.0 + ctl.e2e_s, "before_slo": 200.0 + ctl.e2e_s - 0.01}.get(ends or "", 200.0)
     if ends == "end_hold":
         assert ctl.end_hold()
+    # critical work alone arrives (none at all here): its cap is held with the rest
     assert ctl.class_cap(C, now) == caps[expected][0]  # critical keeps its whole cap: nothing above it
+    assert ctl.critical_cap(now) == caps[expected][0]
     assert [ctl.max_admitted(k) for k in (C, S, D)] == caps[expected], name
     assert (ctl.held_until is not None) == (expected == "level0" and in_flight > 0)
+
+
+def test_critical_work_is_not_held_behind_the_classes_below_it() -> None:
+    """While a class below critical arrives, the hold of a level change bounds that class only:
+    held too, critical requests wait behind the work admitted before the change (measured
+    12-07: the door stood at critical's held cap of 7 for 2 s where the new level's was 10, and a
+    critical request was refused after its whole wait). Where critical work alone arrives, it is
+    held like any class (`test_a_level_change_holds_the_caps_it_left_while_its_requests_run`)."""
+    ctl = controller()
+    served_at(ctl, 5, base=0.5, per=0.4, seconds=20)  # level 0: slow
+    level0 = [ctl.max_admitted(k) for k in (C, S, D)]
+    ctl.set_level(3)
+    end = served_at(ctl, 5, base=0.5, per=0.2, seconds=20, t0=100.0)  # level 3: twice as fast
+    level3 = [ctl.max_admitted(k) for k in (C, S, D)]
+    assert level3[0] > level0[0] and level3[1] > level0[1]
+    ctl.set_level(0)
+    now = end + 60.0
+    for k in range(10):  # standard work arrives, one a second
+        ctl.decide(S, 0, now + k)
+    now += 10.0
+    assert ctl.set_level(3, now=now, in_flight=4)
+    # critical: the new level's cap, admitted above the held one, and saturated only there
+    assert ctl.class_cap(C, now) == ctl.critical_cap(now) == level3[0]
+    assert ctl.decide(C, level0[0], now).admitted
+    refused = ctl.decide(C, level3[0], now)
+    assert not refused.admitted and refused.reason == "saturated"
+    # the classes below: held at level 0's caps
+    assert ctl.class_cap(S, now) <= level0[1]
+    standard = ctl.decide(S, level0[1], now)
+    assert not standard.admitted and standard.reason == "class_share_exhausted"
+    assert ctl.max_admitted(C) == level0[0]  # as held: where only critical work arrives
+    # the hold ends: the new level's caps for all
+    assert ctl.end_hold()
+    assert ctl.critical_cap(now) == ctl.max_admitted(C) == level3[0]
+    assert ctl.class_cap(S, now) > level0[1]
 
 
 def test_the_hold_reads_the_level_it_left_at_the_speed_in_force_not_as_it_stood() -> None:
