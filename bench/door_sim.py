@@ -21,7 +21,9 @@ settings at once:
   ``linear``; ``convex``; ``knee``: the 2-core EPYC of 12-03, measured from the clients' records
   of an adaptive run (each request's latency against the requests in flight over its life): 0.62
   s alone, 0.11 s more per request up to 9 in flight and 0.41 s per request past that, where
-  the CPU runs out), times ``--scale``, queueing past the batch;
+  the CPU runs out; ``avx2``: the 2-core AVX2 EPYC of 12-07, the line the door fitted in three
+  adaptive runs at 3 x C0 (median 1.45 s + 0.38 s per request in flight: 1.83 s alone)), times
+  ``--scale``, queueing past the batch;
 - noise: each request's work is lognormal (``--noise``, the log's standard deviation), and the
   engine's speed drifts as a random walk every 5 s (``--drift``), within 0.75-1.4;
 - a slow phase (``--slow FROM,TO,FACTOR``): the engine ``FACTOR`` times slower from ``FROM``
@@ -86,7 +88,7 @@ from policies.config import AdmissionConfig, ClassShares, SloConfig  # noqa: E40
 
 CLASSES = tuple(Criticality)
 BATCH = 16
-SHAPES = ("concave", "linear", "convex", "knee")
+SHAPES = ("concave", "linear", "convex", "knee", "avx2")
 ENGINES = ("ps", "priority")
 OVERTAKE_DEFAULT = AdmissionConfig.model_fields["overtake_sigmas"].default
 
@@ -102,6 +104,8 @@ def engine_latency(n: float, shape: str = "concave") -> float:
         within = 0.78 + 0.004 * k * k
     elif shape == "knee":
         within = 0.62 + 0.11 * k + 0.3 * max(0.0, k - 8)
+    elif shape == "avx2":
+        within = 1.83 + 0.38 * k
     else:
         raise ValueError(f"shape: unknown {shape!r}; valid: {', '.join(SHAPES)}")
     return within * max(1.0, n / BATCH)
@@ -120,11 +124,15 @@ class Setting:
     speed_lag_s: float | None = None  # the slow phase's factor told to the door this late; None: not told
     overtaken: bool = True  # False: the door as before 12-07, its caps not counting the work that overtakes
     overtake_sigmas: float | None = None  # None: the policy's default (`AdmissionConfig.overtake_sigmas`)
+    # True: a freed slot goes to a waiting critical request only while it is still predicted to
+    # finish in time (`AdmissionController.in_time_after`), and it waits up to `critical_wait_s`;
+    # False: the first in line takes it, as before 12-07 evening
+    wait_in_time: bool = True
 
     @property
     def label(self) -> str:
         return (f"shares {'/'.join(f'{s:g}' for s in self.shares)}, reserve {self.reserve_quantile:g}, "
-                f"wait {self.critical_wait_share:g}, ramp {'batch/5' if self.ramp_step is None else self.ramp_step}"
+                f"wait {self.critical_wait_share:g}{' in time' if self.wait_in_time else ''}, ramp {'batch/5' if self.ramp_step is None else self.ramp_step}"
                 + ("" if self.speed_lag_s is None else f", speed {self.speed_lag_s:g} s late")
                 + ("" if self.overtaken else ", overtaking not counted")
                 + ("" if self.overtake_sigmas is None or not self.overtaken
@@ -229,8 +237,17 @@ def simulate(setting: Setting, rate: float, seed: int, scale: float = 1.0, shape
             for r in running:
                 r[1] += step
             start_queued(t)
-        while line and door() < ctl.class_cap(Criticality.CRITICAL, t):  # a freed slot
-            start_request(*line.pop(0), Criticality.CRITICAL, t)
+        if line and setting.wait_in_time:  # freed slots to those still in time, first in line first
+            kept = []
+            for arrived, work in line:
+                if door() < ctl.class_cap(Criticality.CRITICAL, t) and ctl.in_time_after(t - arrived, door()):
+                    start_request(arrived, work, Criticality.CRITICAL, t)
+                else:
+                    kept.append((arrived, work))
+            line[:] = kept
+            wait_s = ctl.critical_wait_s()
+        while line and not setting.wait_in_time and door() < ctl.class_cap(Criticality.CRITICAL, t):
+            start_request(*line.pop(0), Criticality.CRITICAL, t)  # a freed slot
         while line and t - line[0][0] > wait_s:  # waited its share: refused
             during_slow["refused"] += during(line.pop(0)[0])
             counts[Criticality.CRITICAL]["refused"] += 1
@@ -327,6 +344,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="class_share critical,standard,sheddable (repeat to compare; default: the "
                          "policy's, " + ",".join(f"{s:g}" for s in DEFAULT_SHARES) + ")")
     ap.add_argument("--reserve-quantile", type=float, action="append", default=None)
+    ap.add_argument("--critical-wait", type=float, action="append", default=None,
+                    help="admission.critical_wait_share (repeat to compare; default: the policy's)")
+    ap.add_argument("--wait-rule", action="append", default=None, choices=("in_time", "first"),
+                    help="in_time: a freed slot goes to a waiting critical request only while it is still "
+                         "predicted to finish in time (the service's rule); first: to the first in line "
+                         "(before 12-07 evening); repeat to compare")
+    ap.add_argument("--slo-ms", type=float, default=2000.0, help="slo.e2e_p99_ms (default 2000)")
     ap.add_argument("--ramp-step", type=int, action="append", default=None,
                     help="admission.ramp_step (repeat to compare; 0: no ramp; default: a fifth of the batch, 3)")
     ap.add_argument("--calm-s", type=float, default=30.0, help="one request at a time before the load")
@@ -356,7 +380,10 @@ def main(argv: list[str] | None = None) -> int:
     default_ramp = Setting().ramp_step
     settings = [Setting(shares=tuple(float(x) for x in s.split(",")), reserve_quantile=q,  # type: ignore[arg-type]
                         ramp_step=g, speed_lag_s=None if lag < 0 else lag, overtaken=o == "on",
-                        overtake_sigmas=z)
+                        overtake_sigmas=z, critical_wait_share=w,
+                        wait_in_time=it == "in_time")
+                for w in (args.critical_wait or [Setting().critical_wait_share])
+                for it in (args.wait_rule or ["in_time"])
                 for o in (args.overtaken or ["on"])
                 # the sigmas apply only where overtaking is counted: one row without it
                 for z in ((args.overtake_sigmas or [None]) if o == "on" else [None])
@@ -385,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
         shape = shape or args.shape
         for s in settings:
             runs = [simulate(s, rate, seed, scale=scale, shape=shape, noise=args.noise, drift=args.drift,
-                             calm_s=args.calm_s, seconds=args.seconds, slow=slow, mix=mix, engine=args.engine)
+                             calm_s=args.calm_s, seconds=args.seconds, slow=slow, mix=mix, engine=args.engine,
+                             slo_ms=args.slo_ms)
                     for seed in range(1, args.seeds + 1)]
             row = {"scenario": name, "rate": rate, "scale": scale, "shape": shape, "engine": args.engine,
                    "setting": s.label,
@@ -403,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         meta = {"command": "bench/door_sim.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                 "seeds": args.seeds, "noise": args.noise, "drift": args.drift, "calm_s": args.calm_s,
-                "seconds": args.seconds, "slow": args.slow, "mix": args.mix, "engine": args.engine,
+                "seconds": args.seconds, "slo_ms": args.slo_ms, "slow": args.slow, "mix": args.mix, "engine": args.engine,
                 "model": "see bench/door_sim.py",
                 "days": {day: note for day, (note, _, _, _) in DAYS.items()}}
         args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")

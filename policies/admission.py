@@ -1638,6 +1638,24 @@ class AdmissionController:
         waits for a freed slot only while critical work alone does not saturate the server)."""
         return self._first_saturate(_RANK[criticality] + 1, now)
 
+    def critical_wait_s(self) -> float:
+        """The longest a critical request waits for a freed slot at a full door
+        (`serve_app.admission`): ``admission.critical_wait_share`` of the SLO, and no longer than
+        a request that waited could still be predicted to finish within critical's limit on an
+        idle server (`share_limit_s` less `predicted_e2e_s` of 0 ahead); 0 where it cannot wait."""
+        limit_s = self.share_limit_s(Criticality.CRITICAL) - self.predicted_e2e_s(0)
+        return max(0.0, min(self.settings.critical_wait_share * self.e2e_s, limit_s))
+
+    def in_time_after(self, waited_s: float, ahead: int) -> bool:
+        """Whether a critical request that has waited ``waited_s`` at the door and would join
+        ``ahead`` requests in flight is still predicted to finish within critical's limit:
+        ``waited_s + predicted_e2e_s(ahead) <= share_limit_s`` (its deadline runs from its
+        arrival). A full door drains in clumps (requests admitted together in a burst run in one
+        batch and finish together), so a freed slot with the door still near critical's cap is
+        given only to a request that has not waited long; one that has waits on while the door
+        drains further, up to `critical_wait_s`."""
+        return waited_s + self.predicted_e2e_s(ahead) <= self.share_limit_s(Criticality.CRITICAL) + 1e-9
+
     def _first_saturate(self, count: int, now: float) -> bool:
         """Whether the ``count`` most important classes alone arrive at least as fast as the
         server completes requests (``>= rate_per_s``, `_arrive_at_least`)."""

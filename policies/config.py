@@ -380,11 +380,12 @@ class AdmissionConfig(_Strict):
         "some finishing late under overload (null: not counted, each class's share alone)",
     )
     critical_wait_share: float = Field(
-        default=0.1, ge=0.0, le=0.5, allow_inf_nan=False,
+        default=0.5, ge=0.0, le=1.0, allow_inf_nan=False,
         description="a critical request that finds the door full waits for a freed slot for up to "
-        "this share of slo.e2e_p99_ms (lower classes are refused meanwhile) before it is refused "
-        "(0: refused at once; so is every critical request while critical work alone arrives faster "
-        "than the server completes requests)",
+        "this share of slo.e2e_p99_ms, and no longer than it could still finish in time on an idle "
+        "server (lower classes are refused meanwhile; a slot goes to one still predicted to finish "
+        "in time with it) before it is refused (0: refused at once; so is every critical request "
+        "while critical work alone arrives faster than the server completes requests)",
     )
     reserve_window_s: float = Field(
         default=10.0, gt=0.0, le=600.0, allow_inf_nan=False,

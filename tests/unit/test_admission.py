@@ -1552,10 +1552,35 @@ def test_each_displaced_request_counts_as_a_refusal_for_the_level() -> None:
     assert ctl.signals(20, 1.0)["refused_ratio"] == pytest.approx(2 / 20)
 
 
-@pytest.mark.parametrize("value", [-0.1, 0.6, "soon"])
+@pytest.mark.parametrize("value", [-0.1, 1.1, "soon"])
 def test_critical_wait_share_is_validated_naming_the_key(value: object) -> None:
     with pytest.raises(ValueError, match="critical_wait_share"):
         parse_policy({"slo": {"e2e_p99_ms": 2000}, "admission": {"critical_wait_share": value}})
+
+
+@pytest.mark.parametrize("share, expected_s", [
+    (0.5, 1.05),  # half the 2.1 s objective
+    (1.0, 1.9),  # bounded where even an idle server (0.2 s predicted) would finish it late
+    (0.0, 0.0),  # refused at once
+])
+def test_a_critical_request_waits_at_most_its_share_and_never_past_what_an_idle_server_could_still_finish(
+        share: float, expected_s: float) -> None:
+    ctl = controller(settings_=SETTINGS.model_copy(update={"critical_wait_share": share}))
+    assert ctl.critical_wait_s() == pytest.approx(expected_s)
+
+
+@pytest.mark.parametrize("waited_s, ahead, in_time", [
+    (0.0, 19, True),  # 2.1 s predicted: exactly the limit
+    (0.05, 19, False),  # the same slot, after a wait: late
+    (0.05, 18, True),  # one more freed: 0.05 + 2.0 s
+    (1.0, 9, True),  # 1.0 + 1.1 s
+    (1.0, 10, False),
+    (1.9, 0, True),  # alone, at the end of the longest wait
+    (1.95, 0, False),
+])
+def test_a_waiting_critical_request_takes_a_freed_slot_only_where_it_still_finishes_in_time(
+        waited_s: float, ahead: int, in_time: bool) -> None:
+    assert controller().in_time_after(waited_s, ahead) is in_time
 
 
 def drained_fifo(model: ServiceModel, use_ahead: bool, held: int = 96, rate: float = 17.3,

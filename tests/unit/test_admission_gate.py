@@ -368,7 +368,7 @@ def test_a_request_waiting_for_a_replica_can_be_preempted_and_is_not_counted_exp
 # -- a critical request at the full door waits for the next freed slot ------------------------
 
 
-def test_a_critical_request_at_the_full_door_waits_for_the_next_freed_slot() -> None:
+def test_a_critical_request_at_the_full_door_waits_for_a_freed_slot_it_can_finish_in_time_with() -> None:
     async def scenario() -> None:
         refusals: list = []
         g = gate(refusals=refusals)
@@ -382,12 +382,42 @@ def test_a_critical_request_at_the_full_door_waits_for_the_next_freed_slot() -> 
             g.admit("standard")
         assert lower.value.status == 503
         g._clock.advance(0.05)
-        g.release(first[0], served=True)  # the freed slot goes to the first in line
+        # 18 left: joining them it is predicted to finish 0.05 + 2.0 s after its arrival, past the
+        # 2 s objective: it waits on, and the freed slot stays free (the line is still ahead)
+        g.release(first[0], served=False)
+        await asyncio.sleep(0)
+        assert not waits.done() and g.state()["queued"] == 1 and g.in_flight == 18
+        with pytest.raises(RequestError):
+            g.admit("standard")
+        g.release(first[1], served=False)  # 17 left: 0.05 + 1.9 s, in time
         ticket = await asyncio.wait_for(waits, 5)
-        assert ticket.criticality is Criticality.CRITICAL and g.in_flight == 19
+        assert ticket.criticality is Criticality.CRITICAL and g.in_flight == 18
         assert ticket.deadline_at == pytest.approx(arrived + 2.0)  # the SLO runs from its arrival
         assert ticket.admitted_at == pytest.approx(arrived + 0.05)
-        assert g.state()["queued"] == 0 and refusals == [(Criticality.STANDARD, "saturated")]
+        assert g.state()["queued"] == 0
+        assert refusals == [(Criticality.STANDARD, "saturated")] * 2
+
+    asyncio.run(scenario())
+
+
+def test_a_freed_slot_goes_to_a_later_arrival_still_in_time_before_one_that_no_longer_is() -> None:
+    async def scenario() -> None:
+        g = gate()
+        tickets = fill(g, 19)
+        early = asyncio.ensure_future(g.admit_waiting(None, base=Criticality.CRITICAL))
+        await asyncio.sleep(0)
+        g._clock.advance(0.5)
+        late = asyncio.ensure_future(g.admit_waiting(None, base=Criticality.CRITICAL))
+        await asyncio.sleep(0)
+        assert g.state()["queued"] == 2
+        g.release(tickets[0], served=False)  # 18 left: 2.0 s predicted; only the one that just came is in time
+        ticket = await asyncio.wait_for(late, 5)
+        assert ticket.admitted_at == pytest.approx(g._clock()) and not early.done()
+        assert g.state()["queued"] == 1 and g.in_flight == 19
+        # the first waits on, until its wait ends: no slot it could finish in time with freed
+        with pytest.raises(RequestError) as err:
+            await asyncio.wait_for(early, 5)
+        assert err.value.status == 503 and g.state()["queued"] == 0
 
     asyncio.run(scenario())
 
@@ -397,7 +427,7 @@ def test_a_critical_request_is_refused_past_its_wait_and_counted_once() -> None:
         refusals: list = []
         g = gate(refusals=refusals)
         tickets = fill(g, 19)
-        # 0.1 of the 2 s SLO: refused after 0.2 s with nothing freed
+        # half the 2 s SLO (within the 1.8 s an idle server leaves): refused after 1 s with nothing freed
         with pytest.raises(RequestError) as err:
             await asyncio.wait_for(g.admit_waiting(None, base=Criticality.CRITICAL), 5)
         assert err.value.status == 503 and int(err.value.headers["Retry-After"]) >= 1
