@@ -35,8 +35,10 @@ settings at once:
   from the engine's steps, `policies.engine_speed`, and the ingress reads it every second), an
   oracle of the slow phase only (the drift below is left to the door to learn);
 - the gate's critical wait (`serve_app.admission`: a critical request at a full door waits up to
-  ``critical_wait_share`` of the SLO for a freed slot, unless critical work alone saturates the
-  server: `AdmissionController.saturated_by`); a request is on time when its latency
+  `AdmissionController.critical_wait_s` for a freed slot it is still predicted to finish in time
+  with, `AdmissionController.in_time_after`, unless critical work alone saturates the server:
+  `AdmissionController.saturated_by`; ``--wait-rule first``: up to ``critical_wait_share`` of the
+  SLO for the first freed slot, the rule before 12-07 evening); a request is on time when its latency
   plus ``overhead_ms`` (50 ms outside the gate; the door itself assumes its shipped 100 ms) is
   within the SLO. Preemption of waiting requests at the door is not modelled.
 
@@ -259,7 +261,8 @@ def simulate(setting: Setting, rate: float, seed: int, scale: float = 1.0, shape
             during_slow["offered"] += during(arrive)
             if ctl.decide(klass, door() + len(line), arrive).admitted:
                 start_request(arrive, work, klass, arrive)
-            elif klass is Criticality.CRITICAL and wait_s > 0 and not ctl.saturated_by(klass, arrive):
+            elif (klass is Criticality.CRITICAL and (ctl.critical_wait_s() if setting.wait_in_time else wait_s) > 0
+                  and not ctl.saturated_by(klass, arrive, usual_speed=setting.wait_in_time)):
                 line.append((arrive, work))
             else:
                 counts[klass]["refused"] += 1

@@ -86,16 +86,23 @@ The rule, and why:
   requests above the highest concurrency a served request ran at within `RAMP_WINDOW_S`, at
   least `RAMP_MIN`: additive increase, each completion higher up opening the next step;
   critical work keeps its own cap.
-- **Critical work at a full door waits for the next freed slot** (`serve_app.admission`): for up
-  to ``admission.critical_wait_share`` (0.1) of the SLO, first come first served, before it is
-  refused; every release hands its slot to the first in line while critical's cap has room, and
-  no lower class is admitted meanwhile (those waiting count as ahead of it). Under load slots
-  free several times a second, so most of the critical refusals a full door would make become
-  short waits; the deadline still runs from the request's arrival. (A wait twice as long, 0.2,
-  refused as many: measured (12-07, 2-core AVX2 EPYC, 5 s SLO, three repeats at 3 x C0 with 20%
-  critical work), 3 critical requests refused, each after its whole 1 s wait, as with 0.1: at
-  the onset the door stays full for 2 s and more, while the standard work admitted in the first
-  seconds runs, or while a slow engine reading has halved the caps: bench/RESULTS.md.) Not
+- **Critical work at a full door waits for a freed slot it can still finish in time with**
+  (`serve_app.admission`): for up to `AdmissionController.critical_wait_s`
+  (``admission.critical_wait_share``, 0.5, of the SLO, and no longer than an idle server could
+  still finish it in time) before it is refused; each release hands its slot to the first in
+  line that is still predicted to finish within critical's limit with it, its wait so far plus
+  the predicted end-to-end time at the door's count (`in_time_after`), while critical's cap has
+  room; no lower class is admitted meanwhile (those waiting count as ahead of it), and the
+  deadline still runs from the request's arrival. A full door drains in clumps: the requests a
+  burst admitted run in one batch and finish together, so the first slot may free only after a
+  second or more, and the next ones at once. Measured (12-07, 2-core AVX2 EPYC, 5 s SLO, six
+  repeats at 3 x C0 with 20% critical work) with a wait of a tenth of the SLO given to the first
+  in line: each of the four critical refusals came after its whole 0.5 s wait at a door full at
+  critical's cap (a burst of critical arrivals, or a second of a slow engine reading), and the
+  door fell to 1-2 in flight 1.1-2.4 s after the wait began; a wait twice as long (0.2), given
+  to the first in line, refused as many at the onset, when a level change's hold kept the door
+  full (bench/RESULTS.md). A longer wait for the first freed slot would finish late by the
+  wait; the in-time rule waits on instead, for a slot further down the drain. Not
   while critical work alone arrives at least as fast as the server completes requests
   (`saturated_by`): every freed slot then goes to a critical request anyway, and one that
   waited for it has spent that much of its budget at a door whose cap already uses the rest (at
@@ -1629,21 +1636,33 @@ class AdmissionController:
         counted (C3)."""
         return self._tail_limit
 
-    def saturated_by(self, criticality: Criticality, now: float) -> bool:
+    def saturated_by(self, criticality: Criticality, now: float, usual_speed: bool = False) -> bool:
         """Whether ``criticality`` and the classes above it alone arrive at least as fast as the
         server completes requests (their measured rate less `SHUT_OUT_SIGMAS` of its noise, on
         the long estimate or the fast one, ``>= rate_per_s``): then a slot freed at the full
         door is taken by the next of them anyway, and a request of this class that waits for one
         only spends its budget waiting (`serve_app.admission`: a critical request at a full door
-        waits for a freed slot only while critical work alone does not saturate the server)."""
-        return self._first_saturate(_RANK[criticality] + 1, now)
+        waits for a freed slot only while critical work alone does not saturate the server).
+        ``usual_speed``: the server's rate at the engine's usual speed (`model`), not at the
+        slowdown in force (`predictor`), as the critical wait reads it (`critical_wait_s`): a
+        slowdown read for a moment divides the rate by as much, and would refuse at once the
+        critical work that could wait it out."""
+        count = _RANK[criticality] + 1
+        if usual_speed:
+            return self._arrive_at_least(count, self.model.rate_per_s, now)
+        return self._first_saturate(count, now)
 
     def critical_wait_s(self) -> float:
         """The longest a critical request waits for a freed slot at a full door
         (`serve_app.admission`): ``admission.critical_wait_share`` of the SLO, and no longer than
-        a request that waited could still be predicted to finish within critical's limit on an
-        idle server (`share_limit_s` less `predicted_e2e_s` of 0 ahead); 0 where it cannot wait."""
-        limit_s = self.share_limit_s(Criticality.CRITICAL) - self.predicted_e2e_s(0)
+        a request that waited could still finish within critical's limit on an idle server at the
+        engine's usual speed (`share_limit_s` less the overhead and `model`'s latency of one
+        request alone; not the slowed `predictor`'s): a slowdown read for a second (measured
+        12-07, 2-core AVX2 EPYC, 5 s SLO, 3 x C0: a reading of 8.2 for one poll took critical's
+        cap to 1 with 4 in flight, and 1.7 for a second to 4 with 5) is waited out, and a freed
+        slot still goes only to a request in time at the speed in force (`in_time_after`).
+        0 where it cannot wait."""
+        limit_s = self.share_limit_s(Criticality.CRITICAL) - self.overhead_s - self.model.latency_s(1)
         return max(0.0, min(self.settings.critical_wait_share * self.e2e_s, limit_s))
 
     def in_time_after(self, waited_s: float, ahead: int) -> bool:

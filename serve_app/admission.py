@@ -187,7 +187,7 @@ class AdmissionGate:
             return ticket
         assert refused is not None and self.controller is not None
         wait_s = self.controller.critical_wait_s()
-        if criticality.rank or wait_s <= 0 or self.controller.saturated_by(criticality, arrived_at):
+        if criticality.rank or wait_s <= 0 or self.controller.saturated_by(criticality, arrived_at, usual_speed=True):
             raise self._refusal(refused)  # nobody waits where the next freed slot is another's anyway
         handed: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
         entry = (arrived_at, handed)
@@ -481,6 +481,8 @@ class AdmissionGate:
             "in_flight": self.in_flight,
             "waiting": len(self._waiting),  # admitted, not started by the model, a lower class's to take
             "queued": len(self._queue),  # critical requests waiting at the full door for a slot
+            # the longest a critical request at a full door waits for a slot it can finish in time with
+            "critical_wait_s": None if ctl is None else round(ctl.critical_wait_s(), 3),
             "default_class": self.default_class.value,
             "rate_per_s": None if ctl is None else round(ctl.rate_per_s, 3),
             "base_latency_s": None if ctl is None else round(ctl.model.base_s, 3),

@@ -1569,6 +1569,17 @@ def test_a_critical_request_waits_at_most_its_share_and_never_past_what_an_idle_
     assert ctl.critical_wait_s() == pytest.approx(expected_s)
 
 
+def test_a_slowdown_read_for_a_moment_is_waited_out_not_refused_at_once() -> None:
+    ctl = controller()
+    assert ctl.set_speed(8.0, 1.0)  # 6.4 applied: alone 0.74 s predicted, 0.1 s at the usual speed
+    assert ctl.slowdown == pytest.approx(6.4)
+    # the wait is bounded by the engine's usual speed (an idle server would finish it in time) ...
+    assert ctl.critical_wait_s() == pytest.approx(1.05)
+    # ... and a freed slot goes only to a request in time at the speed in force
+    assert ctl.in_time_after(0.5, 1) and not ctl.in_time_after(0.5, 2)
+    assert ctl.set_speed(1.0, 1.5) and ctl.in_time_after(0.5, 13)
+
+
 @pytest.mark.parametrize("waited_s, ahead, in_time", [
     (0.0, 19, True),  # 2.1 s predicted: exactly the limit
     (0.05, 19, False),  # the same slot, after a wait: late

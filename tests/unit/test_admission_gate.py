@@ -378,6 +378,7 @@ def test_a_critical_request_at_the_full_door_waits_for_a_freed_slot_it_can_finis
         waits = asyncio.ensure_future(g.admit_waiting(None, base=Criticality.CRITICAL))
         await asyncio.sleep(0)
         assert g.state()["queued"] == 1 and not waits.done() and g.in_flight == 19
+        assert g.state()["critical_wait_s"] == 1.0  # half the 2 s objective
         with pytest.raises(RequestError) as lower:  # the line is ahead of every lower class
             g.admit("standard")
         assert lower.value.status == 503
@@ -418,6 +419,23 @@ def test_a_freed_slot_goes_to_a_later_arrival_still_in_time_before_one_that_no_l
         with pytest.raises(RequestError) as err:
             await asyncio.wait_for(early, 5)
         assert err.value.status == 503 and g.state()["queued"] == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_critical_request_waits_out_a_moment_of_a_slow_engine_reading() -> None:
+    async def scenario() -> None:
+        g = gate()
+        fill(g, 5)
+        g.observe_speed(101, 10.0)  # 8 applied: critical's cap falls below the 5 in flight
+        assert g.state()["class_cap"]["critical"] < 5 and g.state()["critical_wait_s"] == 1.0
+        waits = asyncio.ensure_future(g.admit_waiting(None, base=Criticality.CRITICAL))
+        await asyncio.sleep(0)
+        assert not waits.done() and g.state()["queued"] == 1
+        g._clock.advance(0.3)
+        g.observe_speed(101, 1.0)  # the reading ends: 0.3 + 0.7 s predicted, in time
+        ticket = await asyncio.wait_for(waits, 5)
+        assert ticket.criticality is Criticality.CRITICAL and g.in_flight == 6 and g.state()["queued"] == 0
 
     asyncio.run(scenario())
 

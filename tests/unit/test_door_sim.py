@@ -89,3 +89,33 @@ def test_the_shares_default_to_the_policy_defaults() -> None:
 
     shares = ClassShares()
     assert door_sim.Setting().shares == (shares.critical, shares.standard, shares.sheddable)
+
+
+def test_the_avx2_line() -> None:
+    assert door_sim.engine_latency(1, "avx2") == pytest.approx(1.83)  # the 2-core AVX2 EPYC of 12-07
+    assert door_sim.engine_latency(9, "avx2") - door_sim.engine_latency(8, "avx2") == pytest.approx(0.38)
+
+
+def test_a_critical_request_handed_only_a_slot_it_finishes_in_time_with_is_late_less_often() -> None:
+    # 3 x C0 on the AVX2 line with a 5 s objective: the same arrivals, the same half-SLO wait, the
+    # freed slot given to the first in line or only to one still predicted in time
+    def pooled(in_time: bool) -> dict:
+        setting = door_sim.Setting(critical_wait_share=0.5, wait_in_time=in_time)
+        return door_sim.summarize([door_sim.simulate(setting, 2.27, seed, shape="avx2", noise=0.15, calm_s=30.0,
+                                                     seconds=120.0, slo_ms=5000.0, engine="priority")
+                                   for seed in range(1, 7)])
+
+    first, in_time = pooled(False), pooled(True)
+    assert first["critical_offered"] == in_time["critical_offered"]
+    assert in_time["critical_late"] < first["critical_late"]
+    assert "wait 0.5 in time," in door_sim.Setting(critical_wait_share=0.5).label
+    assert "wait 0.5," in door_sim.Setting(critical_wait_share=0.5, wait_in_time=False).label
+
+
+def test_the_wait_rule_and_the_objective_are_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    assert door_sim.main(["--rate", "1", "--seeds", "1", "--seconds", "5", "--calm-s", "2", "--slo-ms", "5000",
+                          "--critical-wait", "0.3", "--wait-rule", "first", "--wait-rule", "in_time"]) == 0
+    out = capsys.readouterr().out
+    assert "wait 0.3," in out and "wait 0.3 in time," in out
+    with pytest.raises(SystemExit):
+        door_sim.main(["--wait-rule", "last", "--seeds", "1"])
