@@ -102,7 +102,9 @@ The rule, and why:
   door fell to 1-2 in flight 1.1-2.4 s after the wait began; a wait twice as long (0.2), given
   to the first in line, refused as many at the onset, when a level change's hold kept the door
   full (bench/RESULTS.md). A longer wait for the first freed slot would finish late by the
-  wait; the in-time rule waits on instead, for a slot further down the drain. Not
+  wait; the in-time rule waits on instead, for a slot further down the drain. The wait's bound
+  reads the engine at its usual speed (`model`), so a slowdown read for a moment (`set_speed`)
+  is waited out rather than refused at once. Not
   while critical work alone arrives at least as fast as the server completes requests
   (`saturated_by`): every freed slot then goes to a critical request anyway, and one that
   waited for it has spent that much of its budget at a door whose cap already uses the rest (at

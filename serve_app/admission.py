@@ -158,7 +158,8 @@ class AdmissionGate:
     async def admit_waiting(self, criticality_header: str | None, base: Criticality | None = None) -> Ticket:
         """`admit`, except that a critical request the door would refuse waits for a freed slot,
         for up to `AdmissionController.critical_wait_s` (``admission.critical_wait_share`` of
-        the SLO, no longer than it could still finish in time on an idle server).
+        the SLO, no longer than it could still finish in time on an idle server at the engine's
+        usual speed).
 
         Meanwhile no request of a lower class is admitted (the requests waiting count as ahead of
         it), and each release hands the slot it frees to the first in line that is still
@@ -173,8 +174,8 @@ class AdmissionGate:
         1-2 in flight 1.1-2.4 s after the wait began. Its deadline runs from its arrival, not
         from the end of its wait.
         Past the wait it is refused like at the door (503 ``saturated``, computed Retry-After);
-        while critical work alone saturates the server (`AdmissionController.saturated_by`) it
-        is refused at once: each freed slot would go to a critical request anyway, and one that
+        while critical work alone saturates the server at the engine's usual speed
+        (`AdmissionController.saturated_by`) it is refused at once: each freed slot would go to a critical request anyway, and one that
         waited for it would finish late by its wait;
         a client that goes away while waiting leaves the line and takes no slot. Its first
         decision still counts as a refusal in ``refused_ratio`` (the level's earliest signal):
