@@ -178,7 +178,7 @@ def simulate(setting: Setting, rate: float, seed: int, scale: float = 1.0, shape
         ctl.observe_completion(t, took, took)
     start, end = t, t + seconds
     slo_s, outside_s = slo_ms / 1000.0, overhead_ms / 1000.0
-    wait_s = setting.critical_wait_share * slo_s
+    fixed_wait_s = setting.critical_wait_share * slo_s  # ``--wait-rule first``
     arrive, next_drift = t + rng.expovariate(rate), t
     running: list[list] = []  # [arrived, work done, work needed, share mark, class]
     queued: list[list] = []  # admitted, waiting for the engine's batch (``priority``), in start order
@@ -239,7 +239,8 @@ def simulate(setting: Setting, rate: float, seed: int, scale: float = 1.0, shape
             for r in running:
                 r[1] += step
             start_queued(t)
-        if line and setting.wait_in_time:  # freed slots to those still in time, first in line first
+        wait_s = ctl.critical_wait_s() if setting.wait_in_time else fixed_wait_s
+        if setting.wait_in_time:  # freed slots to those still in time, first in line first
             kept = []
             for arrived, work in line:
                 if door() < ctl.class_cap(Criticality.CRITICAL, t) and ctl.in_time_after(t - arrived, door()):
@@ -247,9 +248,9 @@ def simulate(setting: Setting, rate: float, seed: int, scale: float = 1.0, shape
                 else:
                     kept.append((arrived, work))
             line[:] = kept
-            wait_s = ctl.critical_wait_s()
-        while line and not setting.wait_in_time and door() < ctl.class_cap(Criticality.CRITICAL, t):
-            start_request(*line.pop(0), Criticality.CRITICAL, t)  # a freed slot
+        else:
+            while line and door() < ctl.class_cap(Criticality.CRITICAL, t):  # a freed slot
+                start_request(*line.pop(0), Criticality.CRITICAL, t)
         while line and t - line[0][0] > wait_s:  # waited its share: refused
             during_slow["refused"] += during(line.pop(0)[0])
             counts[Criticality.CRITICAL]["refused"] += 1
@@ -261,7 +262,7 @@ def simulate(setting: Setting, rate: float, seed: int, scale: float = 1.0, shape
             during_slow["offered"] += during(arrive)
             if ctl.decide(klass, door() + len(line), arrive).admitted:
                 start_request(arrive, work, klass, arrive)
-            elif (klass is Criticality.CRITICAL and (ctl.critical_wait_s() if setting.wait_in_time else wait_s) > 0
+            elif (klass is Criticality.CRITICAL and wait_s > 0
                   and not ctl.saturated_by(klass, arrive, usual_speed=setting.wait_in_time)):
                 line.append((arrive, work))
             else:

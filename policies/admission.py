@@ -1649,10 +1649,8 @@ class AdmissionController:
         slowdown in force (`predictor`), as the critical wait reads it (`critical_wait_s`): a
         slowdown read for a moment divides the rate by as much, and would refuse at once the
         critical work that could wait it out."""
-        count = _RANK[criticality] + 1
-        if usual_speed:
-            return self._arrive_at_least(count, self.model.rate_per_s, now)
-        return self._first_saturate(count, now)
+        rate_per_s = (self.model if usual_speed else self.predictor).rate_per_s
+        return self._arrive_at_least(_RANK[criticality] + 1, rate_per_s, now)
 
     def critical_wait_s(self) -> float:
         """The longest a critical request waits for a freed slot at a full door

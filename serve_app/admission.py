@@ -175,9 +175,9 @@ class AdmissionGate:
         from the end of its wait.
         Past the wait it is refused like at the door (503 ``saturated``, computed Retry-After);
         while critical work alone saturates the server at the engine's usual speed
-        (`AdmissionController.saturated_by`) it is refused at once: each freed slot would go to a critical request anyway, and one that
-        waited for it would finish late by its wait;
-        a client that goes away while waiting leaves the line and takes no slot. Its first
+        (`AdmissionController.saturated_by`) it is refused at once: each freed slot would go to a
+        critical request anyway, and one that waited for it would finish late by its wait; a
+        client that goes away while waiting leaves the line and takes no slot. Its first
         decision still counts as a refusal in ``refused_ratio`` (the level's earliest signal):
         the door was full.
         """
