@@ -1631,6 +1631,12 @@ class AdmissionController:
         on to its own cap). None (no such limit) until `TAIL_MIN` completions have measured the
         spread.
 
+        Not for critical work itself, nor the ramp's limit for it (`ramp_limit`): in the door's
+        model (`bench/door_sim.py --critical-cap`, 12-07, the AVX2 line, 3 x C0, 48 seeds of
+        225 s; bench/RESULTS.md) holding critical work to this limit too refused 293 critical
+        requests where its own cap refused 18, saved none of the 38 late ones, and cut goodput
+        by a tenth; held to the ramp's limit it refused 29 and was late as often.
+
         Not one less, for a critical request arriving at that full door: measured (12-04,
         AVX-512 EPYC, 2 s SLO, 3 x C0), one less held standard and sheddable work to 3-4 in
         flight, critical work ran at p99 1.75-1.91 s, and goodput fell to 0.89 x C3 in one
