@@ -111,6 +111,7 @@ class VLLMModel:
         report_interval_s: float = 0.25,
         reports: ReportLink | None = None,
     ) -> None:
+        began = time.monotonic()
         # validated once by the builder (an `EngineSettings` is kept as it is); a dict here
         self.settings = (engine_settings if isinstance(engine_settings, EngineSettings)
                          else EngineSettings.model_validate(dict(engine_settings)))
@@ -133,7 +134,10 @@ class VLLMModel:
             reports = report_link()
         self.reporter = signal_reporter(reports, replica_source("VLLMModel"), self.signals, report_interval_s)
         self.reporter.start()
-        logger.info("VLLMModel ready: %s (%s)", served_model_name, self.settings.model)
+        # how long this replica took to start (vLLM's import, the engine, the weights): the
+        # ingress predicts a replacement's wait from it until it has seen an outage end (`health`)
+        self.start_s: float | None = time.monotonic() - began
+        logger.info("VLLMModel ready in %.1f s: %s (%s)", self.start_s, served_model_name, self.settings.model)
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -286,15 +290,19 @@ class VLLMModel:
 
     async def health(self) -> dict[str, Any]:
         """What ``check_health`` finds, as a value (the ingress probes it): ``{"ok": bool, "reason",
-        "pid", "slowdown"}``; ``slowdown``: how many times slower the engine steps now than it
-        did lately at the same batch (`policies.engine_speed`), which the ingress's admission
-        predicts with."""
+        "pid", "slowdown", "start_s"}``; ``slowdown``: how many times slower the engine steps now
+        than it did lately at the same batch (`policies.engine_speed`), which the ingress's
+        admission predicts with; ``start_s``: how long this replica's constructor took, from its
+        start to serving (vLLM's import, the engine's start, the weights' load), which the
+        ingress's ``Retry-After`` for a model that is down rests on before it has seen an outage
+        end (`serve_app.health.ModelHealth.retry_after_s`)."""
         slowdown = self.engine.slowdown()
+        out = {"ok": True, "reason": None, "pid": os.getpid(), "slowdown": slowdown, "start_s": self.start_s}
         try:
             await self.engine.check_health()
         except EngineError as err:
-            return {"ok": False, "reason": str(err), "pid": os.getpid(), "slowdown": slowdown}
-        return {"ok": True, "reason": None, "pid": os.getpid(), "slowdown": slowdown}
+            out.update(ok=False, reason=str(err))
+        return out
 
     async def check_health(self) -> None:
         """Serve's health check: vLLM's own. A dead engine fails it, and Serve replaces the replica."""

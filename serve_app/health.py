@@ -22,6 +22,16 @@ lifts it as soon as a replica answers again. (Where something did answer meanwhi
 found every replica full, not none: that says nothing about the model's health.)
 
 While down, a new request is refused with 503 + ``Retry-After`` before any work is queued. The
+``Retry-After`` is the predicted rest of the outage (`retry_after_s`), not a constant: a
+replacement replica of vLLM takes a minute or two to start on a few CPU cores (118 s on a 2-core
+AVX2 EPYC), and a client told "1 s" would ask about a hundred times in vain. The prediction is
+the median of the last outages this ingress saw end (from the moment it took the model for down
+to the first answer after), or, before any has ended, how long the model replica that answered
+last took to start (`deployments.model.VLLMModel.health`'s ``start_s``: a lower bound, since
+Serve's noticing the death and the new process come on top), less the time the model has been
+down. Once the outage has outlasted the prediction by ``d`` seconds, the rest is taken as ``d``
+(the prediction was short; the checks then come at doubling intervals, the back-off a careful
+client would use itself). Clamped to ``[limits.retry_after_s, limits.max_retry_after_s]``. The
 latest observation wins, so with several model replicas one dead replica can refuse requests for
 at most one probe interval before a healthy answer lifts it; a replica that really is dead is
 replaced by Serve within its health-check period either way.
@@ -30,10 +40,13 @@ replaced by Serve within its health-check period either way.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+OUTAGES_KEPT = 5  # the outages whose median `ModelHealth.predicted_outage_s` takes
 
 
 @dataclass
@@ -47,18 +60,47 @@ class ModelHealth:
     downs: int = 0  # transitions to down
     refused: int = 0  # requests refused because it was down
     heard_at: float | None = None  # when the model last answered anything (`observe`); None: never
+    start_s: float | None = None  # how long the model replica that answered last took to start
+    outages: list[float] = field(default_factory=list)  # the last `OUTAGES_KEPT` outages seen end, s
 
     def observe(self, ok: bool, reason: str | None = None) -> None:
         """An answer from the model (a probe's, or a model call's outcome): up or down."""
         self.heard_at = self.clock()
         self._set(ok, reason)
 
+    def observe_start(self, start_s: Any) -> None:
+        """A model replica's start time as its health answer reports it (``start_s``); anything
+        but a finite number >= 0 says nothing (a replica of an older version sends none)."""
+        if isinstance(start_s, (int, float)) and not isinstance(start_s, bool) and math.isfinite(start_s) \
+                and start_s >= 0.0:
+            self.start_s = float(start_s)
+
     def _set(self, ok: bool, reason: str | None) -> None:
         if ok != self.up:
-            self.since = self.clock()
-            if not ok:
+            now = self.clock()
+            if ok:  # an outage ended: how long it lasted, as seen from here
+                self.outages = [*self.outages, max(0.0, now - self.since)][-OUTAGES_KEPT:]
+            else:
                 self.downs += 1
+            self.since = now
         self.up, self.reason = ok, (None if ok else reason or "the model is unavailable")
+
+    def predicted_outage_s(self) -> float | None:
+        """How long an outage lasts, from the moment it is seen to the first answer after: the
+        median of the last `OUTAGES_KEPT` seen here, or before any has ended the model
+        replica's start time (`start_s`, a lower bound); None where neither is known."""
+        return statistics.median(self.outages) if self.outages else self.start_s
+
+    def retry_after_s(self, floor_s: int, cap_s: int) -> int:
+        """``Retry-After`` for a refusal because the model is down: the predicted rest of the
+        outage (`predicted_outage_s` less the time it has been down; once it has outlasted the
+        prediction by ``d``, ``d``: checks at doubling intervals), rounded up and clamped to
+        ``[floor_s, cap_s]``; ``floor_s`` while up and where nothing is predicted."""
+        predicted = self.predicted_outage_s()
+        if self.up or predicted is None:
+            return floor_s
+        rest = abs(predicted - (self.clock() - self.since))
+        return max(floor_s, min(cap_s, math.ceil(rest - 1e-9)))
 
     def observe_expired(self, waited_s: float) -> bool:
         """A request waited ``waited_s`` for a model replica to take it and none did before its
@@ -84,4 +126,6 @@ class ModelHealth:
 
     def state(self) -> dict[str, Any]:
         return {"up": self.up, "reason": self.reason, "since": self.since, "downs": self.downs,
-                "refused": self.refused, "heard_at": self.heard_at}
+                "refused": self.refused, "heard_at": self.heard_at, "start_s": self.start_s,
+                "outages_s": [round(x, 3) for x in self.outages],
+                "predicted_outage_s": self.predicted_outage_s()}

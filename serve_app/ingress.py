@@ -126,13 +126,18 @@ class IngressLimits(BaseModel):
     max_tokens_limit: int = Field(default=512, ge=1, description="largest max_tokens a client may ask for")
     default_max_tokens: int = Field(default=64, ge=1, description="max_tokens when the client gives none")
     max_prompt_chars: int = Field(default=32_000, ge=1, description="longest prompt text, before tokenizing")
-    retry_after_s: int = Field(default=1, ge=1, description="Retry-After sent with 503s")
+    retry_after_s: int = Field(default=1, ge=1, description="Retry-After sent with 503s that predict "
+                               "nothing (infrastructure refusing), and the least sent for a model that is down")
+    max_retry_after_s: int = Field(default=60, ge=1, description="the most Retry-After sent for a model that "
+                                   "is down (the predicted rest of its outage: serve_app/health.py)")
 
     @model_validator(mode="after")
     def _default_within_limit(self) -> IngressLimits:
         if self.default_max_tokens > self.max_tokens_limit:
             raise ValueError(f"default_max_tokens={self.default_max_tokens} exceeds "
                              f"max_tokens_limit={self.max_tokens_limit}")
+        if self.retry_after_s > self.max_retry_after_s:
+            raise ValueError(f"retry_after_s={self.retry_after_s} exceeds max_retry_after_s={self.max_retry_after_s}")
         return self
 
 
@@ -190,9 +195,10 @@ def _level() -> str:
         return "unknown"
 
 
-def _unavailable(limits: IngressLimits, why: str) -> RequestError:
+def _unavailable(limits: IngressLimits, why: str, retry_after_s: int | None = None) -> RequestError:
+    """503 + ``Retry-After``: ``retry_after_s`` where one is predicted, else ``limits.retry_after_s``."""
     return RequestError(503, why, None, kind="service_unavailable",
-                        headers={"Retry-After": str(limits.retry_after_s)})
+                        headers={"Retry-After": str(limits.retry_after_s if retry_after_s is None else retry_after_s)})
 
 
 def failure_error(err: BaseException, retry_after_s: int = 1) -> RequestError:
@@ -597,6 +603,7 @@ class Ingress:
                 self.model_health.observe(False, f"model replica unreachable: {type(err).__name__}")
             return
         self.model_health.observe(bool(health.get("ok")), health.get("reason"))
+        self.model_health.observe_start(health.get("start_s"))
         if health.get("slowdown") is not None:  # how much slower its engine steps than lately
             self.gate.observe_speed(health.get("pid"), health["slowdown"])
 
@@ -827,7 +834,7 @@ class Ingress:
         except RequestError as err:
             if getattr(err, "model_down", False):
                 self.model_health.observe(False, err.message)
-                err.headers.setdefault("Retry-After", str(self.limits.retry_after_s))
+                err.headers["Retry-After"] = str(self._down_retry_after_s())
             elif err.status == 503:
                 err.headers["Retry-After"] = str(self.gate.drain_s())
             raise
@@ -841,7 +848,13 @@ class Ingress:
             logger.warning("request failed: %s -> %d", type(err).__name__, mapped.status)
         if getattr(mapped, "model_down", False):
             self.model_health.observe(False, mapped.message)
+            mapped.headers["Retry-After"] = str(self._down_retry_after_s())
         return mapped
+
+    def _down_retry_after_s(self) -> int:
+        """``Retry-After`` while the model is down: the predicted rest of the outage
+        (`ModelHealth.retry_after_s`), within ``[limits.retry_after_s, limits.max_retry_after_s]``."""
+        return self.model_health.retry_after_s(self.limits.retry_after_s, self.limits.max_retry_after_s)
 
     def _sse(self, ctx: RequestState, ticket: Ticket, gen: Any, rid: str, chat: bool,
              include_usage: bool, echo_prefix: str, on_end: Callable[[], None]) -> AsyncIterator[bytes]:
@@ -957,7 +970,7 @@ class Ingress:
                 self._rate_limit(key, ctx, body)
             down = self.model_health.refusal()
             if down is not None:
-                raise _unavailable(self.limits, down)
+                raise _unavailable(self.limits, down, self._down_retry_after_s())
             ticket = await self.gate.admit_waiting(
                 request.headers.get(CRITICALITY_HEADER), base=key.tier if key else None)
             ctx.headers_out[CRITICALITY_HEADER] = ticket.criticality.value
@@ -1023,7 +1036,7 @@ class Ingress:
         if not stats.get("engine_alive", True):
             self.model_health.observe(False, "the model's engine process has died")
             return _error_response(_unavailable(self.limits, "the model's engine process has died; its replica "
-                                                "is being replaced"))
+                                                "is being replaced", self._down_retry_after_s()))
         return JSONResponse({"status": "ok", "model": self.served_model_name, "level": int(self.view.level),
                              "engine": stats, "model_health": self.model_health.state()})
 

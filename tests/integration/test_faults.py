@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import statistics
 import time
 from collections import Counter
 
@@ -112,6 +113,7 @@ def test_a_killed_engine_core_gives_503s_then_the_service_recovers_by_itself(dep
     assert last["error"]["type"] == "service_unavailable" and last["error"]["message"], last
 
     statuses: Counter[int] = Counter()
+    down_retry: list[tuple[float, int]] = []  # (seconds after the kill, Retry-After) of "model down" 503s
     recovered_at = None
     saw_healthz_503 = False
     while time.monotonic() - killed_at < RECOVERY_BOUND_S:
@@ -127,6 +129,9 @@ def test_a_killed_engine_core_gives_503s_then_the_service_recovers_by_itself(dep
                 break
         else:
             _assert_openai_503(r)
+            message = r.json()["error"]["message"]
+            if "model is unavailable" in message or "engine process has died" in message:
+                down_retry.append((round(time.monotonic() - killed_at, 1), int(r.headers["retry-after"])))
         if not saw_healthz_503:
             h = http.get("/healthz")
             saw_healthz_503 = h.status_code == 503
@@ -139,6 +144,15 @@ def test_a_killed_engine_core_gives_503s_then_the_service_recovers_by_itself(dep
     assert recovered_at is not None, f"no 200 within {RECOVERY_BOUND_S} s after the kill: {dict(statuses)}"
     assert set(statuses) <= {200, 503}, statuses
     assert saw_healthz_503, "/healthz never said the engine was dead"
+    # While the model is down, Retry-After is the predicted rest of the outage (serve_app/health.py),
+    # here from the dead replica's own start (20-30 s), not the constant floor of 1 s
+    print(f"Retry-After of the model-down 503s (s after the kill, value): {down_retry}")
+    assert down_retry, dict(statuses)
+    assert all(1 <= value <= 60 for _, value in down_retry), down_retry
+    assert max(value for _, value in down_retry) >= 2, down_retry
+    health = http.get("/healthz").json()["model_health"]
+    assert health["outages_s"], health  # the outage seen end: the next one is predicted from it
+    assert health["predicted_outage_s"] == pytest.approx(statistics.median(health["outages_s"]), abs=0.01), health
 
     # a new replica, with a new engine, serves: streams and whole responses alike
     new_replica, new_core = new_engine_core_pid(replica)

@@ -62,6 +62,7 @@ def model(engine: StubEngine) -> VLLMModel:
     m.settings = EngineSettings(model="stub")
     m.served_model_name, m.max_prompt_tokens = "stub", 100
     m.engine, m.dropped_late, m.engine_failures = engine, 0, 0  # type: ignore[assignment]
+    m.start_s = 12.5
     return m
 
 
@@ -102,10 +103,11 @@ def test_health_asks_the_engine() -> None:
     engine = StubEngine(0, DEAD)
     m = model(engine)
     health = asyncio.run(m.health())
-    assert health["ok"] is True and health["slowdown"] == 2.5
+    assert health["ok"] is True and health["slowdown"] == 2.5 and health["start_s"] == 12.5
     asyncio.run(m.check_health())
     asyncio.run(events(m))  # the engine dies
-    assert asyncio.run(m.health())["ok"] is False
+    dead = asyncio.run(m.health())
+    assert dead["ok"] is False and "died" in dead["reason"] and dead["start_s"] == 12.5
     with pytest.raises(EngineError):
         asyncio.run(m.check_health())  # Serve sees the replica unhealthy and replaces it
 

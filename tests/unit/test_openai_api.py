@@ -396,3 +396,44 @@ def test_a_lone_surrogate_in_a_key_is_a_400_whose_response_renders() -> None:
     assert info.value.status == 400 and info.value.param == "\\ud800"
     rendered = json.loads(info.value.response().body)["error"]
     assert rendered["param"] == "\\ud800" and "not valid Unicode" in rendered["message"]
+
+
+def test_the_retry_after_of_a_model_that_is_down_is_the_predicted_rest_of_its_outage() -> None:
+    from serve_app.health import OUTAGES_KEPT, ModelHealth
+
+    now = [1000.0]
+    h = ModelHealth(clock=lambda: now[0])
+    assert h.retry_after_s(1, 60) == 1  # up: the floor
+    h.observe(False, "engine dead")
+    assert h.predicted_outage_s() is None and h.retry_after_s(1, 60) == 1  # nothing known: the floor
+    for bad in (None, float("nan"), -3.0, float("inf"), "40", True):
+        h.observe_start(bad)
+        assert h.start_s is None, bad
+    h.observe_start(40.0)  # the replica that answered last took 40 s to start
+    assert h.predicted_outage_s() == 40.0
+    # (seconds down, floor, cap) -> Retry-After
+    table = [(0.0, 1, 60, 40), (10.0, 1, 60, 30), (39.5, 1, 60, 1), (10.0, 1, 20, 20), (10.0, 35, 60, 35),
+             (40.0, 1, 60, 1),
+             (55.0, 1, 60, 15), (70.0, 1, 60, 30), (200.0, 1, 60, 60)]  # overdue by d: d (doubling checks)
+    for down_s, floor_s, cap_s, want in table:
+        now[0] = h.since + down_s
+        assert h.retry_after_s(floor_s, cap_s) == want, (down_s, floor_s, cap_s)
+    now[0] = h.since + 90.0
+    h.observe(True)  # back after 90 s, as seen from here
+    assert h.outages == [90.0] and h.predicted_outage_s() == 90.0 and h.retry_after_s(1, 60) == 1
+    assert h.state()["outages_s"] == [90.0] and h.state()["predicted_outage_s"] == 90.0
+    for length in (30.0, 120.0, 100.0, 10.0, 80.0, 70.0):  # the median of the last OUTAGES_KEPT
+        h.observe(False, "gone")
+        now[0] += length
+        h.observe(True)
+    assert h.outages == [120.0, 100.0, 10.0, 80.0, 70.0] and len(h.outages) == OUTAGES_KEPT
+    assert h.predicted_outage_s() == 80.0  # what the replica's start said no longer counts
+    h.observe(False, "gone")
+    now[0] += 20.0
+    assert h.retry_after_s(1, 60) == 60 and h.retry_after_s(1, 100) == 60
+
+
+def test_the_most_retry_after_is_validated_against_the_least() -> None:
+    with pytest.raises(ValueError, match="retry_after_s=30 exceeds max_retry_after_s=10"):
+        IngressLimits(retry_after_s=30, max_retry_after_s=10)
+    assert IngressLimits().max_retry_after_s == 60 and IngressLimits().retry_after_s == 1
