@@ -31,7 +31,11 @@ last took to start (`deployments.model.VLLMModel.health`'s ``start_s``: a lower 
 Serve's noticing the death and the new process come on top), less the time the model has been
 down. Once the outage has outlasted the prediction by ``d`` seconds, the rest is taken as ``d``
 (the prediction was short; the checks then come at doubling intervals, the back-off a careful
-client would use itself). Clamped to ``[limits.retry_after_s, limits.max_retry_after_s]``. The
+client would use itself). Clamped to ``[limits.retry_after_s, limits.max_retry_after_s]``. Not
+while the model is down on silence alone (an expiry, no answer saying so: `inferred`): a jammed
+or starved engine is silent too, so the floor is sent until an answer says the model is down
+(a probe that finds the engine dead or the replica gone), and such an outage is not counted
+among those the prediction takes. The
 latest observation wins, so with several model replicas one dead replica can refuse requests for
 at most one probe interval before a healthy answer lifts it; a replica that really is dead is
 replaced by Serve within its health-check period either way.
@@ -62,6 +66,8 @@ class ModelHealth:
     heard_at: float | None = None  # when the model last answered anything (`observe`); None: never
     start_s: float | None = None  # how long the model replica that answered last took to start
     outages: list[float] = field(default_factory=list)  # the last `OUTAGES_KEPT` outages seen end, s
+    # down on silence alone (`observe_expired`): no answer from the model has said so yet
+    inferred: bool = False
 
     def observe(self, ok: bool, reason: str | None = None) -> None:
         """An answer from the model (a probe's, or a model call's outcome): up or down."""
@@ -75,14 +81,16 @@ class ModelHealth:
                 and start_s >= 0.0:
             self.start_s = float(start_s)
 
-    def _set(self, ok: bool, reason: str | None) -> None:
+    def _set(self, ok: bool, reason: str | None, inferred: bool = False) -> None:
         if ok != self.up:
             now = self.clock()
-            if ok:  # an outage ended: how long it lasted, as seen from here
+            if ok and not self.inferred:  # an outage ended: how long it lasted, as seen from here
                 self.outages = [*self.outages, max(0.0, now - self.since)][-OUTAGES_KEPT:]
-            else:
+            elif not ok:
                 self.downs += 1
-            self.since = now
+            self.since, self.inferred = now, inferred
+        elif not ok:  # still down: an answer saying so makes it certain
+            self.inferred = self.inferred and inferred
         self.up, self.reason = ok, (None if ok else reason or "the model is unavailable")
 
     def predicted_outage_s(self) -> float | None:
@@ -95,9 +103,12 @@ class ModelHealth:
         """``Retry-After`` for a refusal because the model is down: the predicted rest of the
         outage (`predicted_outage_s` less the time it has been down; once it has outlasted the
         prediction by ``d``, ``d``: checks at doubling intervals), rounded up and clamped to
-        ``[floor_s, cap_s]``; ``floor_s`` while up and where nothing is predicted."""
+        ``[floor_s, cap_s]``; ``floor_s`` while up, where nothing is predicted, and while the
+        model is down on silence alone (`inferred`): a jammed engine is silent too, and an outage
+        predicted for it would send clients away for a minute from a service that may answer
+        again within seconds."""
         predicted = self.predicted_outage_s()
-        if self.up or predicted is None:
+        if self.up or self.inferred or predicted is None:
             return floor_s
         rest = abs(predicted - (self.clock() - self.since))
         return max(floor_s, min(cap_s, math.ceil(rest - 1e-9)))
@@ -114,7 +125,7 @@ class ModelHealth:
             return False
         quiet = "since the ingress started" if silent_s is None else f"for {silent_s:.1f} s"
         self._set(False, f"no model replica took a request within its deadline ({waited_s:.1f} s), "
-                         f"and none has answered {quiet}")
+                         f"and none has answered {quiet}", inferred=True)
         return True
 
     def refusal(self) -> str | None:
@@ -127,5 +138,5 @@ class ModelHealth:
     def state(self) -> dict[str, Any]:
         return {"up": self.up, "reason": self.reason, "since": self.since, "downs": self.downs,
                 "refused": self.refused, "heard_at": self.heard_at, "start_s": self.start_s,
-                "outages_s": [round(x, 3) for x in self.outages],
+                "inferred": self.inferred, "outages_s": [round(x, 3) for x in self.outages],
                 "predicted_outage_s": self.predicted_outage_s()}

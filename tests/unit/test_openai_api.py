@@ -437,3 +437,29 @@ def test_the_most_retry_after_is_validated_against_the_least() -> None:
     with pytest.raises(ValueError, match="retry_after_s=30 exceeds max_retry_after_s=10"):
         IngressLimits(retry_after_s=30, max_retry_after_s=10)
     assert IngressLimits().max_retry_after_s == 60 and IngressLimits().retry_after_s == 1
+
+
+def test_a_model_down_on_silence_alone_gets_the_floor_until_an_answer_says_so() -> None:
+    from serve_app.health import ModelHealth
+
+    now = [1000.0]
+    h = ModelHealth(clock=lambda: now[0])
+    h.observe(True)
+    h.observe_start(40.0)
+    now[0] = 1005.0
+    assert h.observe_expired(2.0) and h.inferred  # silent for the whole wait: down, but only inferred
+    assert h.retry_after_s(1, 60) == 1  # a jammed engine is silent too: no minute-long Retry-After
+    now[0] = 1006.0
+    assert h.observe_expired(2.0) and h.inferred  # more silence changes nothing
+    h.observe(True)  # a jam that ended: not an outage to predict the next from
+    assert h.up and h.outages == [] and not h.inferred
+    now[0] = 1010.0
+    assert h.observe_expired(2.0) and h.inferred
+    now[0] = 1012.0
+    h.observe(False, "replica unreachable: ActorDiedError")  # an answer says so: certain from now
+    assert not h.inferred and h.since == 1010.0 and h.retry_after_s(1, 60) == 38
+    now[0] = 1015.0
+    assert h.observe_expired(2.0) and not h.inferred  # silence does not undo the certainty
+    now[0] = 1100.0
+    h.observe(True)
+    assert h.outages == [90.0] and h.state()["inferred"] is False
