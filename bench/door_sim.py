@@ -184,11 +184,11 @@ def simulate(setting: Setting, rate: float, seed: int, scale: float = 1.0, shape
     if setting.critical_cap not in CRITICAL_CAPS:
         raise ValueError(f"critical_cap: unknown {setting.critical_cap!r}; valid: {', '.join(CRITICAL_CAPS)}")
     ctl = CriticalHeld(slo, AdmissionConfig(overhead_ms=100, reserve_quantile=setting.reserve_quantile,
-                                                   critical_wait_share=setting.critical_wait_share,
-                                                   ramp_step=setting.ramp_step, overtake_sigmas=(
-                                                       None if not setting.overtaken
-                                                       else OVERTAKE_DEFAULT if setting.overtake_sigmas is None
-                                                       else setting.overtake_sigmas)), slots=BATCH)
+                                            critical_wait_share=setting.critical_wait_share,
+                                            ramp_step=setting.ramp_step, overtake_sigmas=(
+                                                None if not setting.overtaken
+                                                else OVERTAKE_DEFAULT if setting.overtake_sigmas is None
+                                                else setting.overtake_sigmas)), slots=BATCH)
     ctl.hold = setting.critical_cap
     if engine not in ENGINES:
         raise ValueError(f"engine: unknown {engine!r}; valid: {', '.join(ENGINES)}")

@@ -136,7 +136,7 @@ class VLLMModel:
         self.reporter.start()
         # how long this replica took to start (vLLM's import, the engine, the weights): the
         # ingress predicts a replacement's wait from it until it has seen an outage end (`health`)
-        self.start_s: float | None = time.monotonic() - began
+        self.start_s = time.monotonic() - began
         logger.info("VLLMModel ready in %.1f s: %s (%s)", self.start_s, served_model_name, self.settings.model)
 
     # -- requests ------------------------------------------------------------------------------
