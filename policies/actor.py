@@ -21,13 +21,14 @@ of the decision rather than after three free-running timers (report, tick, poll)
 The behaviour lives in `policies.service.PolicyCore` (no Ray); this module adds the tick loop,
 Ray metrics and persistence in Ray's internal KV store.
 
-Durability: the config and the operator overrides are written to Ray's internal KV store on
-every change and read back in ``__init__``, so an actor restarted by Ray comes back with the same
-policy and the same pins. Signals and dwell timers are not restored: they rebuild from fresh
+Durability: the config, the operator overrides and the model's last outages are written to
+Ray's internal KV store on every change and read back in ``__init__``, so an actor restarted by
+Ray comes back with the same policy, the same pins and the same outage record. Signals and dwell timers are not restored: they rebuild from fresh
 reports within ``stale_after_s``, and until then the restored level holds (fail-static).
 
 Remote methods: ``report``, ``report_batch``, ``view``, ``watch``, ``get_state``, ``set_override``, ``clear_override``,
-``update_config``, ``get_config``, ``history``.
+``update_config``, ``get_config``, ``history``, ``record_outage``, ``model_outages`` (the model's
+outages as the ingress replicas saw them end, for their ``Retry-After`` while it is down).
 
 Metrics (Ray's metrics export; Prometheus adds the ``ray_`` prefix; ``docs/OPERATIONS.md`` lists
 them with their tags). Gauges are set every tick, counters grow by what each tick observed
@@ -333,6 +334,15 @@ class PolicyActor:
 
     async def history(self, n: int = 100) -> list[dict[str, Any]]:
         return self.core.history(n)
+
+    async def record_outage(self, ended_at: float, duration_s: float) -> list[float]:
+        """An ingress replica saw the model down for ``duration_s`` until ``ended_at``: kept
+        (`PolicyCore.record_outage`, persisted); returns the outages' durations, oldest first."""
+        return self.core.record_outage(ended_at, duration_s)
+
+    async def model_outages(self) -> list[float]:
+        """The durations of the model's last outages, oldest first (`PolicyCore.model_outages`)."""
+        return self.core.model_outages()
 
 
 def get_or_create_policy_actor(config: Mapping[str, Any] | None = None) -> Any:

@@ -12,6 +12,14 @@ and `FeatureClock` (per optional feature: seconds disabled and how often it was 
 cause, since the actor started and over the last ``window_s``). The actor turns both into
 Prometheus metrics; ``get_state()`` (``GET /admin/brownout``) carries them as ``thresholds`` and
 ``feature_time``.
+
+The model's outages (`record_outage`, `model_outages`): how long each lasted, as the ingress
+replicas saw them end (`serve_app.health.ModelHealth`), kept here so that every ingress replica,
+one started after the outage or restarted since, predicts the next from the same record (its
+``Retry-After`` while the model is down). Replicas see one outage end within a probe or two of
+each other: reports whose ends lie within `OUTAGE_SAME_S` are one outage, kept at the longest
+(the replica that saw it begin first saw most of it). The last `OUTAGES_KEPT` are kept and
+persisted with the policy.
 """
 
 from __future__ import annotations
@@ -47,6 +55,11 @@ from policies.slo import fit_policy
 logger = logging.getLogger("brownout.policy")
 
 LEVELS = (1, 2, 3)
+OUTAGES_KEPT = 5  # the model outages kept, whose median predicts the next (`ModelHealth`)
+# two ingress replicas' reports of outages that ended this close together are one outage: each
+# replica sees the end at its next probe answer (every 0.5 s) or served request, and a model
+# replica comes back no sooner than a new one starts (tens of seconds on a GPU, minutes on CPU)
+OUTAGE_SAME_S = 10.0
 
 
 def threshold_table(config: DegradationConfig) -> dict[str, dict[str, dict[str, float]]]:
@@ -213,6 +226,7 @@ class PolicyCore:
         self.feature_clock = FeatureClock()
         self._pending_s: collections.Counter[str] = collections.Counter()
         self._pending_edges: list[tuple[str, str]] = []
+        self.outages: list[tuple[float, float]] = []  # (ended_at, duration_s), oldest first
         if restore is not None:
             self._restore(restore)
         # The clock's starting state is the restored one: whatever is off now was not "turned
@@ -240,6 +254,7 @@ class PolicyCore:
             "pin": None if pin is None else {"level": int(pin.level), "expires_at": pin.expires_at, "note": pin.note},
             "features": [{"feature": o.feature, "enabled": o.enabled, "expires_at": o.expires_at}
                          for o in self.state.feature_overrides.values()],
+            "outages": [[ended_at, duration_s] for ended_at, duration_s in self.outages],
         }).encode()
 
     def _save(self) -> None:
@@ -274,6 +289,11 @@ class PolicyCore:
                 feature_overrides=overrides,
             )
             self.aggregator = Aggregator(self.config.stale_after_s, self.config.forget_s)
+            for item in doc.get("outages", []):  # one bad entry loses only itself
+                try:
+                    self.record_outage(*item, save=False)
+                except (TypeError, ValueError) as err:
+                    logger.warning("persisted model outage %r dropped: %s", item, err)
             logger.info("policy restored: level %d, pin %s, %d feature overrides",
                         self.state.level, pin, len(overrides))
         except Exception:  # noqa: BLE001 - a corrupt snapshot must not keep the actor down
@@ -478,6 +498,33 @@ class PolicyCore:
                                    "config_version": self.config_version}))
         return {"ok": True, "changed": True, "config_version": self.config_version}
 
+    # -- the model's outages -------------------------------------------------------------------
+
+    def record_outage(self, ended_at: float, duration_s: float, save: bool = True) -> list[float]:
+        """An ingress replica saw the model down for ``duration_s`` until ``ended_at`` (wall
+        seconds). One that ended within `OUTAGE_SAME_S` of an outage already kept is that outage
+        (kept at the longer duration). Returns `model_outages`. A value that is not a finite
+        number (``duration_s`` also >= 0) raises ValueError naming it, and nothing is kept."""
+        for name, value in (("ended_at", ended_at), ("duration_s", duration_s)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or (name == "duration_s" and value < 0):
+                raise ValueError(f"record_outage: {name}={value!r} is not a finite number"
+                                 + (" >= 0" if name == "duration_s" else ""))
+        ended_at, duration_s = float(ended_at), float(duration_s)
+        same = [i for i, (end, _) in enumerate(self.outages) if abs(end - ended_at) <= OUTAGE_SAME_S]
+        if same:
+            end, kept = self.outages[same[0]]
+            self.outages[same[0]] = (end, max(kept, duration_s))
+        else:
+            self.outages = sorted([*self.outages, (ended_at, duration_s)])[-OUTAGES_KEPT:]
+        if save:
+            self._save()
+        return self.model_outages()
+
+    def model_outages(self) -> list[float]:
+        """The durations of the last `OUTAGES_KEPT` outages of the model, oldest first."""
+        return [duration_s for _, duration_s in self.outages]
+
     # -- readers -------------------------------------------------------------------------------
 
     def view(self) -> PolicyView:
@@ -513,6 +560,7 @@ class PolicyCore:
             "recent_transitions": list(self.transitions)[-10:],
             "thresholds": threshold_table(self.config),
             "feature_time": self.feature_clock.snapshot(now),
+            "model_outages": [{"ended_at": end, "duration_s": round(d, 3)} for end, d in self.outages],
         }
 
     def history(self, n: int = 100) -> list[dict[str, Any]]:

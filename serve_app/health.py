@@ -25,8 +25,9 @@ While down, a new request is refused with 503 + ``Retry-After`` before any work 
 ``Retry-After`` is the predicted rest of the outage (`retry_after_s`), not a constant: a
 replacement replica of vLLM takes a minute or two to start on a few CPU cores (118 s on a 2-core
 AVX2 EPYC), and a client told "1 s" would ask about a hundred times in vain. The prediction is
-the median of the last outages this ingress saw end (from the moment it took the model for down
-to the first answer after), or, before any has ended, how long the model replica that answered
+the median of the model's last outages (each from the moment an ingress took the model for down
+to the first answer after; kept by the policy actor for every ingress replica, see below), or,
+before any has ended, how long the model replica that answered
 last took to start (`deployments.model.VLLMModel.health`'s ``start_s``: a lower bound, since
 Serve's noticing the death and the new process come on top), less the time the model has been
 down. Once the outage has outlasted the prediction by ``d`` seconds, the rest is taken as ``d``
@@ -39,6 +40,15 @@ among those the prediction takes. The
 latest observation wins, so with several model replicas one dead replica can refuse requests for
 at most one probe interval before a healthy answer lifts it; a replica that really is dead is
 replaced by Serve within its health-check period either way.
+
+The outages are the service's, not one replica's: an ingress replica started after an outage,
+or restarted since, would otherwise predict from the start time alone (a lower bound: 174 s
+reported where the replacement answered after 127 s). So each outage seen end here is sent to
+the policy actor (`share`, from a background task: `policies.service.PolicyCore.record_outage`,
+which merges the reports of the replicas that saw the same outage and persists the last
+`OUTAGES_KEPT`), and its answer, the record of every replica, is what the prediction takes. A
+replica reads the record once at its start. Until the actor answers, the outages seen here are
+the record (and are sent later).
 """
 
 from __future__ import annotations
@@ -46,11 +56,13 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-OUTAGES_KEPT = 5  # the outages whose median `ModelHealth.predicted_outage_s` takes
+from policies.service import OUTAGES_KEPT  # the outages whose median `predicted_outage_s` takes
+
+__all__ = ["OUTAGES_KEPT", "ModelHealth"]
 
 
 @dataclass
@@ -68,6 +80,9 @@ class ModelHealth:
     outages: list[float] = field(default_factory=list)  # the last `OUTAGES_KEPT` outages seen end, s
     # down on silence alone (`observe_expired`): no answer from the model has said so yet
     inferred: bool = False
+    # outages seen end here and not yet kept by the policy actor: (ended_at, duration_s)
+    unshared: list[tuple[float, float]] = field(default_factory=list)
+    shared: bool = False  # the actor's record has been read (`share`)
 
     def observe(self, ok: bool, reason: str | None = None) -> None:
         """An answer from the model (a probe's, or a model call's outcome): up or down."""
@@ -85,13 +100,43 @@ class ModelHealth:
         if ok != self.up:
             now = self.clock()
             if ok and not self.inferred:  # an outage ended: how long it lasted, as seen from here
-                self.outages = [*self.outages, max(0.0, now - self.since)][-OUTAGES_KEPT:]
+                lasted = max(0.0, now - self.since)
+                self.outages = [*self.outages, lasted][-OUTAGES_KEPT:]
+                self.unshared = [*self.unshared, (now, lasted)][-OUTAGES_KEPT:]
             elif not ok:
                 self.downs += 1
             self.since, self.inferred = now, inferred
         elif not ok:  # still down: an answer saying so makes it certain
             self.inferred = self.inferred and inferred
         self.up, self.reason = ok, (None if ok else reason or "the model is unavailable")
+
+    def adopt(self, durations: Any) -> bool:
+        """The policy actor's record of the model's outages (durations, oldest first) replaces
+        this replica's; anything but a list of finite numbers >= 0 changes nothing (False)."""
+        if not isinstance(durations, list) or not all(
+                isinstance(d, (int, float)) and not isinstance(d, bool) and math.isfinite(d) and d >= 0.0
+                for d in durations):
+            return False
+        self.outages = [float(d) for d in durations][-OUTAGES_KEPT:]
+        return True
+
+    async def share(self, call: Callable[..., Awaitable[Any]]) -> bool:
+        """Send the outages seen end here to the policy actor (``call``: its link's
+        ``call(method, *args)``), oldest first, and adopt the record it answers with; with nothing
+        to send, read the record once (a replica's start). True if a record was adopted. A
+        failed call raises and keeps what was not sent, for the next try."""
+        record = None
+        while self.unshared:
+            record = await call("record_outage", *self.unshared[0])
+            self.unshared.pop(0)
+        if record is None:
+            if self.shared:
+                return False
+            record = await call("model_outages")
+        if not self.adopt(record):
+            raise TypeError(f"the policy actor's outage record is not a list of seconds: {record!r}")
+        self.shared = True
+        return True
 
     def predicted_outage_s(self) -> float | None:
         """How long an outage lasts, from the moment it is seen to the first answer after: the
@@ -139,4 +184,5 @@ class ModelHealth:
         return {"up": self.up, "reason": self.reason, "since": self.since, "downs": self.downs,
                 "refused": self.refused, "heard_at": self.heard_at, "start_s": self.start_s,
                 "inferred": self.inferred, "outages_s": [round(x, 3) for x in self.outages],
-                "predicted_outage_s": self.predicted_outage_s()}
+                "predicted_outage_s": self.predicted_outage_s(), "outages_shared": self.shared,
+                "outages_unshared": len(self.unshared)}

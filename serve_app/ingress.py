@@ -179,6 +179,7 @@ class OverrideBody(BaseModel):
 
 
 CIRCUIT_STATE_VALUE = {"closed": 0, "half_open": 1, "open": 2}  # brownout_circuit_state
+OUTAGE_SHARE_S = 1.0  # how often an outage seen end here is sent on (no call while there is none)
 
 api = FastAPI(title="Brownout", description="OpenAI-compatible LLM serving with graceful degradation")
 
@@ -548,6 +549,10 @@ class Ingress:
             signal_reporter(self.reports, source, self._signals, self.settings.report_s),
             PeriodicTask("drain-deferred", self._drain, self.settings.drain_s),
             PeriodicTask("probe-model", self._probe_model, self.settings.model_probe_s),
+            # the model's outages seen here go to the policy actor, and its record of every
+            # replica's comes back (`ModelHealth.share`): read once at the start, then on each end
+            PeriodicTask("share-outages", lambda: self.model_health.share(self.policy.call),
+                         OUTAGE_SHARE_S),
         ]
         for task in self.tasks:
             task.start()

@@ -23,9 +23,10 @@ from collections import Counter
 import httpx
 import psutil
 import pytest
+import ray
 
 from deployments.cpu_placement import process_name
-from tests.integration.conftest import Cluster, model_stats, wait_running
+from tests.integration.conftest import Cluster, kill_replica, model_stats, policy_actor, wait_running
 
 pytestmark = pytest.mark.integration
 CHAT = "/v1/chat/completions"
@@ -154,6 +155,17 @@ def test_a_killed_engine_core_gives_503s_then_the_service_recovers_by_itself(dep
     health = http.get("/healthz").json()["model_health"]
     assert health["outages_s"], health  # the outage seen end: the next one is predicted from it
     assert health["predicted_outage_s"] == pytest.approx(statistics.median(health["outages_s"]), abs=0.01), health
+    # and it went to the policy actor (within a share period), whose record every ingress replica,
+    # one started later included, predicts from (serve_app/health.py, `ModelHealth.share`)
+    deadline = time.monotonic() + 15.0
+    while True:
+        health = http.get("/healthz").json()["model_health"]
+        record = ray.get(policy_actor().model_outages.remote(), timeout=30)
+        seen = health["outages_s"][-1]
+        if health["outages_unshared"] == 0 and record and seen - 0.01 <= record[-1] < seen + 5.0:
+            break  # (a second ingress replica may have seen the same outage a probe longer)
+        assert time.monotonic() < deadline, (health, record)
+        time.sleep(0.5)
 
     # a new replica, with a new engine, serves: streams and whole responses alike
     new_replica, new_core = new_engine_core_pid(replica)
@@ -163,6 +175,23 @@ def test_a_killed_engine_core_gives_503s_then_the_service_recovers_by_itself(dep
     with http.stream("POST", CHAT, json=_chat(stream=True)) as s:
         assert [line for line in s.iter_lines() if line][-1] == "data: [DONE]"
     assert http.get("/healthz").status_code == 200
+
+    # an ingress replica started after the outage predicts from the record, not the start time alone
+    assert kill_replica("Ingress") == 1  # the only one; Serve starts a new one
+    deadline = time.monotonic() + 90.0
+    while True:
+        try:
+            r = http.get("/healthz")
+            fresh = r.json()["model_health"] if r.status_code == 200 else None
+        except (httpx.HTTPError, KeyError, ValueError):
+            fresh = None
+        if fresh is not None and fresh["downs"] == 0 and fresh["outages_shared"]:
+            break  # the new replica (it has seen no outage itself), and it has read the record
+        assert time.monotonic() < deadline, fresh
+        time.sleep(0.5)
+    record = ray.get(policy_actor().model_outages.remote(), timeout=30)
+    assert fresh["outages_s"] == pytest.approx(record, abs=0.001) and record, (fresh, record)
+    assert fresh["predicted_outage_s"] == pytest.approx(statistics.median(record), abs=0.01), fresh
 
 
 def test_vllm_failures_are_translated_by_whose_they_are() -> None:

@@ -463,3 +463,57 @@ def test_a_model_down_on_silence_alone_gets_the_floor_until_an_answer_says_so() 
     now[0] = 1100.0
     h.observe(True)
     assert h.outages == [90.0] and h.state()["inferred"] is False
+
+
+def test_the_outages_seen_here_go_to_the_policy_actor_and_its_record_comes_back() -> None:
+    """`ModelHealth.share` against a `PolicyCore` (the actor's behaviour) behind a fake link: an
+    ingress started later, or restarted, predicts from the outages its neighbours saw."""
+    from policies.config import parse_policy
+    from policies.service import PolicyCore
+    from serve_app.health import ModelHealth
+
+    now = [1000.0]
+    actor = PolicyCore(parse_policy({}), clock=lambda: now[0])
+    calls: list[tuple[str, tuple]] = []
+    fail = [False]
+
+    async def call(method: str, *args):  # type: ignore[no-untyped-def]
+        calls.append((method, args))
+        if fail[0]:
+            raise ConnectionError("policy actor unreachable")
+        return getattr(actor, method)(*args)
+
+    first, second = ModelHealth(clock=lambda: now[0]), ModelHealth(clock=lambda: now[0])
+    assert asyncio.run(first.share(call)) and calls == [("model_outages", ())]  # read once at the start
+    assert not asyncio.run(first.share(call)) and len(calls) == 1  # then nothing to send: no call
+    first.observe(False, "engine dead")
+    second.observe(False, "engine dead")
+    now[0] += 100.0
+    first.observe(True)
+    now[0] += 0.5
+    second.observe(True)  # the same outage, seen end half a second later
+    assert first.unshared == [(1100.0, 100.0)] and first.outages == [100.0]
+    fail[0] = True
+    with pytest.raises(ConnectionError):
+        asyncio.run(first.share(call))
+    assert first.unshared == [(1100.0, 100.0)]  # kept for the next try
+    fail[0] = False
+    assert asyncio.run(first.share(call)) and first.unshared == [] and calls[-1] == ("record_outage", (1100.0, 100.0))
+    assert asyncio.run(second.share(call)) and second.outages == [100.5]  # one outage, the longest view
+    assert asyncio.run(first.share(call)) is False and first.outages == [100.0]  # first reads once only
+
+    late = ModelHealth(clock=lambda: now[0])  # an ingress started (or restarted) after the outage
+    late.observe_start(174.0)
+    assert late.predicted_outage_s() == 174.0
+    assert asyncio.run(late.share(call)) and late.predicted_outage_s() == 100.5
+    assert late.state()["outages_shared"] is True and late.state()["outages_unshared"] == 0
+
+    async def bad(method: str, *args):  # type: ignore[no-untyped-def]
+        return {"not": "a list"}
+
+    odd = ModelHealth(clock=lambda: now[0])
+    with pytest.raises(TypeError, match="not a list of seconds"):
+        asyncio.run(odd.share(bad))
+    assert odd.shared is False and odd.outages == []
+    for record in ([1.0, -2.0], [float("nan")], [True], "3"):
+        assert odd.adopt(record) is False and odd.outages == []

@@ -6,7 +6,9 @@ import json
 
 from policies.config import parse_policy
 from policies.features import OffMode
-from policies.service import PolicyCore
+import pytest
+
+from policies.service import OUTAGE_SAME_S, OUTAGES_KEPT, PolicyCore
 from tests.fakes.clock import FakeClock
 
 POLICY = {
@@ -126,6 +128,37 @@ def test_restart_restores_config_pin_and_feature_overrides() -> None:
     clock.advance(100)
     again.tick()
     assert again.get_state()["pin"] is None
+
+
+def test_the_model_outages_replicas_report_are_merged_kept_and_survive_a_restart() -> None:
+    clock, store = FakeClock(), {}
+    c = core(clock, store)
+    assert c.model_outages() == []
+    assert c.record_outage(1000.0, 120.0) == [120.0]
+    # a second ingress replica saw the same outage begin later and end a probe later: one outage,
+    # at the longer duration, either way round
+    assert c.record_outage(1000.0 + OUTAGE_SAME_S - 0.5, 118.0) == [120.0]
+    assert c.record_outage(1001.0, 125.0) == [125.0]
+    assert c.record_outage(1000.0 + OUTAGE_SAME_S + 0.5, 60.0) == [125.0, 60.0]  # another outage
+    for i, d in enumerate((30.0, 40.0, 50.0, 70.0)):
+        c.record_outage(2000.0 + 100 * i, d)
+    assert c.model_outages() == [60.0, 30.0, 40.0, 50.0, 70.0] and len(c.model_outages()) == OUTAGES_KEPT
+    assert c.record_outage(500.0, 9.0) == [60.0, 30.0, 40.0, 50.0, 70.0]  # older than all kept: dropped
+    for bad in ({"ended_at": float("nan")}, {"duration_s": -1.0}, {"duration_s": float("inf")},
+                {"ended_at": "3000"}, {"duration_s": True}):
+        args = {"ended_at": 3000.0, "duration_s": 10.0, **bad}
+        (name,) = bad
+        with pytest.raises(ValueError, match=f"record_outage: {name}="):
+            c.record_outage(**args)
+    assert c.model_outages() == [60.0, 30.0, 40.0, 50.0, 70.0]  # a bad report keeps nothing
+    assert [o["duration_s"] for o in c.get_state()["model_outages"]] == [60.0, 30.0, 40.0, 50.0, 70.0]
+
+    again = core(clock, store)  # what Ray's restart of the actor does
+    assert again.model_outages() == [60.0, 30.0, 40.0, 50.0, 70.0]
+    saved = json.loads(store["k"])
+    saved["outages"][0] = [2500.0, -5.0]  # one corrupt entry loses only itself
+    store["k"] = json.dumps(saved).encode()
+    assert core(clock, store).model_outages() == [30.0, 40.0, 50.0, 70.0]
 
 
 def test_corrupt_snapshot_starts_from_given_config() -> None:
