@@ -213,6 +213,15 @@ class AdmissionGate:
                         retry_after_s=ctl.retry_after_s(ahead, cap, criticality, now))
         raise self._refusal(late)
 
+    def refuse_unavailable(self, criticality_header: str | None, base: Criticality | None, message: str,
+                           retry_after_s: int) -> RequestError:
+        """The 503 for a request that arrives while the model is down (`serve_app.health`),
+        counted like the door's refusals, by class and reason ``model_down``. A bad
+        criticality header is still its 400 (raised)."""
+        criticality = self._classify(criticality_header, base)
+        self._count_refusal(criticality, "model_down")
+        return _refusal_error(503, criticality, retry_after_s, message)
+
     def _classify(self, criticality_header: str | None, base: Criticality | None) -> Criticality:
         try:
             return classify(base or self.default_class, criticality_header)

@@ -543,6 +543,8 @@ class Ingress:
         self.model_health = ModelHealth()
         self._circuit_gauge = ServeGauge("brownout_circuit_state", "Circuit breaker per feature: 0 closed, "
                                          "1 half-open, 2 open", tag_keys=("feature",))
+        self._model_up_gauge = ServeGauge("brownout_model_up", "1 while the model takes requests as this ingress "
+                                          "replica sees it; 0: down, new requests get 503 at once")
         _level_source.append(lambda: int(self.view.level))  # the error backstop's level header
         self.tasks = [
             PeriodicTask("follow-level", self._refresh, 0.0, failure_sleep_s=self.settings.refresh_s),
@@ -590,9 +592,11 @@ class Ingress:
         return out
 
     def _export_circuits(self) -> None:
-        """Each feature's circuit state as a metric (0 closed, 1 half-open, 2 open), every report tick."""
+        """Each feature's circuit state as a metric (0 closed, 1 half-open, 2 open), and whether
+        the model takes requests as this replica sees it, every report tick."""
         for name, breaker in self.pipeline.breakers.items():
             self._circuit_gauge.set(CIRCUIT_STATE_VALUE[breaker.state.value], tags={"feature": name})
+        self._model_up_gauge.set(1 if self.model_health.up else 0)
 
     async def _probe_model(self) -> None:
         """Ask a model replica for its engine's health (`ModelHealth`) and speed (the door
@@ -975,7 +979,8 @@ class Ingress:
                 self._rate_limit(key, ctx, body)
             down = self.model_health.refusal()
             if down is not None:
-                raise _unavailable(self.limits, down, self._down_retry_after_s())
+                raise self.gate.refuse_unavailable(request.headers.get(CRITICALITY_HEADER), key.tier if key else None,
+                                                   down, self._down_retry_after_s())
             ticket = await self.gate.admit_waiting(
                 request.headers.get(CRITICALITY_HEADER), base=key.tier if key else None)
             ctx.headers_out[CRITICALITY_HEADER] = ticket.criticality.value

@@ -117,6 +117,7 @@ def test_a_killed_engine_core_gives_503s_then_the_service_recovers_by_itself(dep
     down_retry: list[tuple[float, int]] = []  # (seconds after the kill, Retry-After) of "model down" 503s
     recovered_at = None
     saw_healthz_503 = False
+    door_down = 0  # 503s of the door while the model was down (`ModelHealth.refusal`)
     while time.monotonic() - killed_at < RECOVERY_BOUND_S:
         try:
             r = http.post(CHAT, json=_chat())
@@ -133,6 +134,9 @@ def test_a_killed_engine_core_gives_503s_then_the_service_recovers_by_itself(dep
             message = r.json()["error"]["message"]
             if "model is unavailable" in message or "engine process has died" in message:
                 down_retry.append((round(time.monotonic() - killed_at, 1), int(r.headers["retry-after"])))
+            if message.startswith("the model is unavailable ("):  # refused at the door while down
+                door_down += 1
+                assert r.headers["x-brownout-criticality"] in ("critical", "standard", "sheddable"), r.headers
         if not saw_healthz_503:
             h = http.get("/healthz")
             saw_healthz_503 = h.status_code == 503
@@ -152,6 +156,10 @@ def test_a_killed_engine_core_gives_503s_then_the_service_recovers_by_itself(dep
     assert down_retry, dict(statuses)
     assert all(1 <= value <= 60 for _, value in down_retry), down_retry
     assert max(value for _, value in down_retry) >= 2, down_retry
+    # counted with the door's refusals, by class, as model_down (ray_brownout_admission_refusals_total)
+    refused = http.get("/admin/brownout").json()["ingress"]["admission"]["refused"]
+    assert door_down >= 1 and sum(n for k, n in refused.items() if k.endswith(":model_down")) >= door_down, \
+        (door_down, refused)
     health = http.get("/healthz").json()["model_health"]
     assert health["outages_s"], health  # the outage seen end: the next one is predicted from it
     assert health["predicted_outage_s"] == pytest.approx(statistics.median(health["outages_s"]), abs=0.01), health

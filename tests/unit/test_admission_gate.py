@@ -97,6 +97,21 @@ def test_header_lowers_never_raises_and_a_bad_value_is_a_400_naming_it() -> None
     assert "unknown class 'urgent'" in err.value.message
 
 
+def test_a_refusal_because_the_model_is_down_is_a_503_counted_by_class_as_model_down() -> None:
+    refusals: list = []
+    g = gate(refusals=refusals)
+    err = g.refuse_unavailable("sheddable", Criticality.CRITICAL, "the model is unavailable (gone)", 42)
+    assert err.status == 503 and err.kind == "service_unavailable" and err.message == "the model is unavailable (gone)"
+    assert err.headers == {"Retry-After": "42", "X-Brownout-Criticality": "sheddable"}  # the header lowered it
+    assert g.refuse_unavailable(None, None, "down", 1).headers["X-Brownout-Criticality"] == "standard"
+    assert refusals == [(Criticality.SHEDDABLE, "model_down"), (Criticality.STANDARD, "model_down")]
+    assert g.state()["refused"] == {"sheddable:model_down": 1, "standard:model_down": 1}
+    assert g.in_flight == 0 and g.state()["admitted"] == {}  # nothing admitted, nothing measured
+    with pytest.raises(RequestError) as bad:  # a bad header is still its own 400
+        g.refuse_unavailable("urgent", None, "down", 1)
+    assert bad.value.status == 400 and bad.value.param == "X-Brownout-Criticality" and len(refusals) == 2
+
+
 def test_release_is_idempotent_and_only_served_requests_measure_the_model() -> None:
     clock = FakeClock()
     g = AdmissionGate(max_num_seqs=16, clock=clock)
