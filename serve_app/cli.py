@@ -39,6 +39,7 @@ import json
 import math
 import os
 import re
+import statistics
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -314,6 +315,30 @@ def optional_features(state: Mapping[str, Any]) -> list[str]:
     return list(optional_names())
 
 
+def describe_model(health: Any, now: float) -> str | None:
+    """One line: the model's health as the ingress replica that answered sees it
+    (`serve_app.health.ModelHealth.state`); None where the state carries none."""
+    if not isinstance(health, Mapping):
+        return None
+    outages = health.get("outages_s") or []
+    predicted = health.get("predicted_outage_s")
+    record = "" if not outages else (f"{len(outages)} outage{'s' if len(outages) != 1 else ''} on record, "
+                                     f"median {format_duration(statistics.median(outages))}")
+    if health.get("up", True):
+        return "model: up" + (f" ({record})" if record else "")
+    since = health.get("since")
+    down_s = max(0.0, now - since) if isinstance(since, (int, float)) else None
+    text = f"model: DOWN{'' if down_s is None else f' for {format_duration(down_s)}'} ({health.get('reason')})"
+    if health.get("inferred"):
+        return text + "; taken for down on silence alone, no answer has said so yet"
+    if isinstance(predicted, (int, float)) and down_s is not None:
+        basis = record or "the replica's start time"
+        rest = predicted - down_s
+        text += (f"; predicted back in {format_duration(rest)}" if rest > 0
+                 else f"; {format_duration(-rest)} past the predicted {format_duration(predicted)}") + f" ({basis})"
+    return text
+
+
 def render_status(state: Mapping[str, Any], out: Out, now: float | None = None) -> None:
     now = time.time() if now is None else now
     pin = state.get("pin")
@@ -331,6 +356,9 @@ def render_status(state: Mapping[str, Any], out: Out, now: float | None = None) 
         out.line(f"recovery blocked by stale signals: {', '.join(blocked)}")
     if state.get("last_config_error"):
         out.line(f"last policy rejected: {state['last_config_error']}")
+    model = describe_model((state.get("ingress") or {}).get("model_health"), now)
+    if model:
+        out.line(model)
     out.line()
 
     signals = state.get("signals") or {}

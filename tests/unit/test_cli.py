@@ -185,6 +185,40 @@ def test_status_shows_a_pin_and_its_note() -> None:
     assert "reason: override (level pinned at 3); 2 -> 3" in out
 
 
+def test_status_says_whether_the_model_is_down_and_when_it_is_predicted_back() -> None:
+    from serve_app.health import ModelHealth
+
+    now = [1000.0]
+    h = ModelHealth(clock=lambda: now[0])
+    assert cli.describe_model(None, now[0]) is None and cli.describe_model(h.state(), now[0]) == "model: up"
+    h.observe_start(40.0)
+    h.observe(False, "the model's engine process has died")
+    now[0] += 15.0
+    assert cli.describe_model(h.state(), now[0]) == (
+        "model: DOWN for 15s (the model's engine process has died); predicted back in 25s (the replica's start time)")
+    for more in (85.0, 120.0):  # outages of 100 s (15 s of them above) and 120 s
+        now[0] += more
+        h.observe(True)
+        h.observe(False, "gone")
+    now[0] += 30.0
+    assert cli.describe_model(h.state(), now[0]) == (
+        "model: DOWN for 30s (gone); predicted back in 1m20s (2 outages on record, median 1m50s)")
+    now[0] += 90.0
+    assert cli.describe_model(h.state(), now[0]).endswith("; 10s past the predicted 1m50s (2 outages on record, median 1m50s)")
+    h.observe(True)
+    assert cli.describe_model(h.state(), now[0]) == "model: up (3 outages on record, median 2m)"
+    now[0] += 10.0
+    assert h.observe_expired(2.0)  # down on silence alone: nothing predicted
+    assert cli.describe_model(h.state(), now[0]).endswith("(no model replica took a request within its deadline "
+                                                          "(2.0 s), and none has answered for 10.0 s); taken for down "
+                                                          "on silence alone, no answer has said so yet")
+    state = policy_state()
+    state["ingress"]["model_health"] = h.state()
+    out = io.StringIO()
+    cli.render_status(state, cli.Out(out, plain=True), now=now[0])
+    assert "\nmodel: DOWN for 0s (no model replica took a request" in out.getvalue()
+
+
 def test_status_renders_with_rich_too() -> None:
     pytest.importorskip("rich")
     out = io.StringIO()
