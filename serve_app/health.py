@@ -127,8 +127,10 @@ class ModelHealth:
         failed call raises and keeps what was not sent, for the next try."""
         record = None
         while self.unshared:
-            record = await call("record_outage", *self.unshared[0])
-            self.unshared.pop(0)
+            sent = self.unshared[0]
+            record = await call("record_outage", *sent)
+            if self.unshared and self.unshared[0] == sent:  # (more outages meanwhile may have pushed it out)
+                self.unshared.pop(0)
         if record is None:
             if self.shared:
                 return False
