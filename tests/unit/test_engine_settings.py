@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from deployments.engine import compiler_problem, cpu_dtype
+from deployments.engine import AOT_COMPILE_ENV, compiler_problem, cpu_compile_env, cpu_dtype
 
 
 @pytest.mark.parametrize(("requested", "flags", "expected"), [
@@ -40,3 +40,12 @@ def test_a_compiled_cpu_engine_needs_a_cpp_compiler(eager: bool, on_cpu: bool, f
     if refused:
         assert "model.enforce_eager=false" in problem and "No working C++ compiler" in problem
         assert "model.enforce_eager: true" in problem
+
+
+@pytest.mark.parametrize(("on_cpu", "eager", "env"), [
+    (True, False, {AOT_COMPILE_ENV: "0"}),  # compiled on a CPU: the cache that loads back
+    (True, True, {}),  # eager compiles nothing
+    (False, False, {}),  # on a GPU vLLM's AOT cache loads: its default stays
+])
+def test_a_compiled_cpu_engine_uses_the_compile_cache_that_loads(on_cpu: bool, eager: bool, env: dict) -> None:
+    assert cpu_compile_env(on_cpu, eager) == env
