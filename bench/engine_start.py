@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: the checkout's packages (deployments, bench)
+    sys.path.insert(0, str(ROOT))
 MODES = {"aot": "1", "cache": "0"}  # the value of VLLM_USE_AOT_COMPILE in each mode
 
 
