@@ -348,18 +348,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.monotonic()
     eager = None if args.enforce_eager == "config" else args.enforce_eager == "true"
     result = asyncio.run(measure(concurrency, args.seconds, args.warm_s, args.max_tokens, eager))
-    doc = {"meta": {"command": provenance.command_line("bench/engine_batch.py", sys.argv[1:] if argv is None else argv),
-                    "code_commit": code["commit"], "uncommitted": code["uncommitted"],
-                    "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(),
-                    "wall_s": round(time.monotonic() - t0, 1)},
+    doc = {"meta": provenance.run_meta("bench/engine_batch.py", sys.argv[1:] if argv is None else argv, code, t0,
+                                       machine()),
            "max_tokens": args.max_tokens, "seconds_per_concurrency": args.seconds, **result}
     if overload:
         doc["ceilings"] = [overload_ceilings(result["rows"], d, p.name, result["engine"]["max_num_seqs"])
                            for p, d in overload.items()]
         print(json.dumps(doc["ceilings"], indent=1))
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(doc, indent=1) + "\n")
+        provenance.write_result(args.out, doc)
     return 0
 
 

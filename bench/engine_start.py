@@ -111,16 +111,13 @@ def main(argv: list[str] | None = None) -> int:
         for mode in MODES:
             runs.append(run_child(mode, args.batch, args.max_tokens, args.rounds))
             print(f"run {i + 1}: {runs[-1]}", flush=True)
-    doc = {"meta": {"command": provenance.command_line("bench/engine_start.py", sys.argv[1:] if argv is None else argv),
-                    "code_commit": code["commit"], "uncommitted": code["uncommitted"],
-                    "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(),
-                    "wall_s": round(time.monotonic() - t0, 1)},
-           "batch": args.batch, "max_tokens": args.max_tokens, "rounds": args.rounds,
-           "runs": runs, "summary": summarize(runs)}
-    print(json.dumps(doc["summary"], indent=1))
+    summary = summarize(runs)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(doc, indent=1) + "\n")
+        provenance.write_result(args.out, {
+            "meta": provenance.run_meta("bench/engine_start.py", sys.argv[1:] if argv is None else argv, code, t0,
+                                        machine()),
+            "batch": args.batch, "max_tokens": args.max_tokens, "rounds": args.rounds, "runs": runs, "summary": summary})
+    print(json.dumps(summary, indent=1))
     return 0
 
 

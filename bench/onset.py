@@ -213,11 +213,9 @@ def main(argv: list[str] | None = None) -> int:
 
         serve.shutdown()
         cluster.close()
-    out = {"meta": {"command": provenance.command_line("bench/onset.py", sys.argv[1:] if argv is None else argv),
-                    "code_commit": code["commit"], "uncommitted": code["uncommitted"], "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                    "machine": ov.machine(), "slo_ms": args.slo_ms, "rate_rps": args.rate,
-                    "calm_s": args.calm_s, "seconds": args.seconds, "engine_cpus": cpus,
-                    "wall_s": round(time.monotonic() - t_start, 1)},
+    out = {"meta": provenance.run_meta("bench/onset.py", sys.argv[1:] if argv is None else argv, code, t_start,
+                                       ov.machine(), slo_ms=args.slo_ms, rate_rps=args.rate, calm_s=args.calm_s,
+                                       seconds=args.seconds, engine_cpus=cpus),
            "onsets": runs}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")

@@ -216,10 +216,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         urls = {name: f"{base}/{name}/v1/chat/completions" for name in APPS}
         samples = asyncio.run(measure(urls, args.requests, args.warmup, args.max_tokens, stream))
         result = {
-            "meta": {"command": provenance.command_line("bench/overhead.py", sys.argv[1:] if argv is None else argv),
-                     "code_commit": code["commit"], "uncommitted": code["uncommitted"],
-                     "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(),
-                     "wall_s": round(time.monotonic() - t_start, 1)},
+            "meta": provenance.run_meta("bench/overhead.py", sys.argv[1:] if argv is None else argv, code, t_start,
+                                        machine()),
             "requests_per_app": args.requests,
             "max_tokens": args.max_tokens,
             "stream": stream,

@@ -64,3 +64,24 @@ def portable_arg(arg: str, root: Path = ROOT) -> str:
 def command_line(script: str, argv: Sequence[str], root: Path = ROOT) -> str:
     """The invocation as a reader would retype it from the checkout's root."""
     return " ".join([script, *(portable_arg(a, root) for a in argv)])
+
+
+def run_meta(script: str, argv: Sequence[str], code: dict[str, Any], started: float, machine: dict[str, Any],
+             **extra: Any) -> dict[str, Any]:
+    """A result file's ``meta``: the command (`command_line`), the code measured (`code_state`,
+    read at the run's start), the date, the machine, ``extra`` (the run's own settings) and the
+    wall time since ``started`` (a `time.monotonic` reading)."""
+    import time
+
+    return {"command": command_line(script, argv), "code_commit": code["commit"], "uncommitted": code["uncommitted"],
+            "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine, **extra,
+            "wall_s": round(time.monotonic() - started, 1)}
+
+
+def write_result(path: Path, doc: dict[str, Any]) -> None:
+    """A result file: ``doc`` as indented JSON, its folder made where missing."""
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+

@@ -231,13 +231,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         ov.pin_level(cluster.base, None)
     finally:
         cluster.close()
-    out = {"meta": {"command": provenance.command_line("bench/stream_shaping.py", sys.argv[1:] if argv is None else argv),
-                    "code_commit": code["commit"], "uncommitted": code["uncommitted"],
-                    "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": ov.machine(),
-                    "level": LEVEL, "admission": "off", "max_tokens": plan.max_tokens, "seconds": args.seconds,
-                    "arms": {ARMS[0]: expected_header(shipped), ARMS[1]: None},
-                    "cpu_placement": bench.cpu_placement.get("brownout"),
-                    "wall_s": round(time.monotonic() - t_start, 1)},
+    out = {"meta": provenance.run_meta("bench/stream_shaping.py", sys.argv[1:] if argv is None else argv, code,
+                                       t_start, ov.machine(), level=LEVEL, admission="off", max_tokens=plan.max_tokens,
+                                       seconds=args.seconds, arms={ARMS[0]: expected_header(shipped), ARMS[1]: None},
+                                       cpu_placement=bench.cpu_placement.get("brownout")),
            "summary": summarise(runs), "runs": runs}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")

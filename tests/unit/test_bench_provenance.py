@@ -81,3 +81,24 @@ def test_the_overload_report_records_the_code_read_at_start() -> None:
     meta = overload.meta(overload.Plan(args), args, 1.0, {})
     assert meta["command"] == "bench/overload.py --quick --seed 3 --raw <outside>/r.jsonl"
     assert (meta["code_commit"], meta["uncommitted"]) == ("abc1234", [" M policies/admission.py"])
+
+
+def test_a_result_files_meta_carries_the_command_code_machine_settings_and_wall_time() -> None:
+    import time
+
+    code = {"commit": "abc1234", "uncommitted": [" M bench/x.py"]}
+    meta = provenance.run_meta("bench/x.py", ["--out", str(provenance.ROOT / "bench/results/x.json")], code,
+                               time.monotonic() - 2.0, {"cpus": 2}, seconds=30)
+    assert meta["command"] == "bench/x.py --out bench/results/x.json"
+    assert (meta["code_commit"], meta["uncommitted"], meta["machine"], meta["seconds"]) == (
+        "abc1234", [" M bench/x.py"], {"cpus": 2}, 30)
+    assert 2.0 <= meta["wall_s"] < 60 and list(meta)[-1] == "wall_s"
+    assert time.strptime(meta["date_utc"], "%Y-%m-%dT%H:%M:%SZ")
+
+
+def test_a_result_file_is_indented_json_in_a_folder_made_for_it(tmp_path: Path) -> None:
+    import json
+
+    path = tmp_path / "new" / "r.json"
+    provenance.write_result(path, {"a": [1, 2]})
+    assert json.loads(path.read_text()) == {"a": [1, 2]} and path.read_text().endswith("\n")
