@@ -217,8 +217,7 @@ def main(argv: list[str] | None = None) -> int:
                                        ov.machine(), slo_ms=args.slo_ms, rate_rps=args.rate, calm_s=args.calm_s,
                                        seconds=args.seconds, engine_cpus=cpus),
            "onsets": runs}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    provenance.write_result(Path(args.out), out)
     ov.log(f"wrote {args.out}")
     return 0
 

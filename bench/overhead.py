@@ -230,8 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         print(json.dumps({k: v for k, v in result.items() if k != "e2e_ms"}, indent=2))
         if args.out:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(result, indent=1) + "\n")
+            provenance.write_result(args.out, result)
     finally:
         from ray import serve
 

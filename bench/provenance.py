@@ -14,8 +14,10 @@ unknown, said as such, never guessed.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -71,8 +73,6 @@ def run_meta(script: str, argv: Sequence[str], code: dict[str, Any], started: fl
     """A result file's ``meta``: the command (`command_line`), the code measured (`code_state`,
     read at the run's start), the date, the machine, ``extra`` (the run's own settings) and the
     wall time since ``started`` (a `time.monotonic` reading)."""
-    import time
-
     return {"command": command_line(script, argv), "code_commit": code["commit"], "uncommitted": code["uncommitted"],
             "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine, **extra,
             "wall_s": round(time.monotonic() - started, 1)}
@@ -80,8 +80,6 @@ def run_meta(script: str, argv: Sequence[str], code: dict[str, Any], started: fl
 
 def write_result(path: Path, doc: dict[str, Any]) -> None:
     """A result file: ``doc`` as indented JSON, its folder made where missing."""
-    import json
-
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1) + "\n")
 

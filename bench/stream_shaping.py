@@ -236,8 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                        seconds=args.seconds, arms={ARMS[0]: expected_header(shipped), ARMS[1]: None},
                                        cpu_placement=bench.cpu_placement.get("brownout")),
            "summary": summarise(runs), "runs": runs}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    provenance.write_result(Path(args.out), out)
     print(json.dumps(out["summary"], indent=1))
     ov.log(f"wrote {args.out}")
     return 0

@@ -62,6 +62,11 @@ OUTAGES_KEPT = 5  # the model outages kept, whose median predicts the next (`Mod
 OUTAGE_SAME_S = 10.0
 
 
+def finite_number(value: Any) -> bool:
+    """Whether ``value`` is a finite int or float (a bool is not a number here)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def threshold_table(config: DegradationConfig) -> dict[str, dict[str, dict[str, float]]]:
     """``{signal: {"1": {"trigger": t, "recover": r}, ...}}`` for every signal a level triggers on.
 
@@ -506,8 +511,7 @@ class PolicyCore:
         (kept at the longer duration). Returns `model_outages`. A value that is not a finite
         number (``duration_s`` also >= 0) raises ValueError naming it, and nothing is kept."""
         for name, value in (("ended_at", ended_at), ("duration_s", duration_s)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                    or (name == "duration_s" and value < 0):
+            if not finite_number(value) or (name == "duration_s" and value < 0):
                 raise ValueError(f"record_outage: {name}={value!r} is not a finite number"
                                  + (" >= 0" if name == "duration_s" else ""))
         ended_at, duration_s = float(ended_at), float(duration_s)

@@ -39,7 +39,6 @@ import json
 import math
 import os
 import re
-import statistics
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -322,8 +321,9 @@ def describe_model(health: Any, now: float) -> str | None:
         return None
     outages = health.get("outages_s") or []
     predicted = health.get("predicted_outage_s")
-    record = "" if not outages else (f"{len(outages)} outage{'s' if len(outages) != 1 else ''} on record, "
-                                     f"median {format_duration(statistics.median(outages))}")
+    # with outages on record, the prediction is their median (`ModelHealth.predicted_outage_s`)
+    record = "" if not outages or predicted is None else (
+        f"{len(outages)} outage{'s' if len(outages) != 1 else ''} on record, median {format_duration(predicted)}")
     if health.get("up", True):
         return "model: up" + (f" ({record})" if record else "")
     since = health.get("since")

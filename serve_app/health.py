@@ -60,7 +60,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from policies.service import OUTAGES_KEPT  # the outages whose median `predicted_outage_s` takes
+from policies.service import OUTAGES_KEPT, finite_number  # OUTAGES_KEPT: the outages `predicted_outage_s` takes
 
 __all__ = ["OUTAGES_KEPT", "ModelHealth"]
 
@@ -92,8 +92,7 @@ class ModelHealth:
     def observe_start(self, start_s: Any) -> None:
         """A model replica's start time as its health answer reports it (``start_s``); anything
         but a finite number >= 0 says nothing (a replica of an older version sends none)."""
-        if isinstance(start_s, (int, float)) and not isinstance(start_s, bool) and math.isfinite(start_s) \
-                and start_s >= 0.0:
+        if finite_number(start_s) and start_s >= 0.0:
             self.start_s = float(start_s)
 
     def _set(self, ok: bool, reason: str | None, inferred: bool = False) -> None:
@@ -113,9 +112,7 @@ class ModelHealth:
     def adopt(self, durations: Any) -> bool:
         """The policy actor's record of the model's outages (durations, oldest first) replaces
         this replica's; anything but a list of finite numbers >= 0 changes nothing (False)."""
-        if not isinstance(durations, list) or not all(
-                isinstance(d, (int, float)) and not isinstance(d, bool) and math.isfinite(d) and d >= 0.0
-                for d in durations):
+        if not isinstance(durations, list) or not all(finite_number(d) and d >= 0.0 for d in durations):
             return False
         self.outages = [float(d) for d in durations][-OUTAGES_KEPT:]
         return True

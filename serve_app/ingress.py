@@ -977,12 +977,11 @@ class Ingress:
             self._shape(body, ctx, field, max_tokens)
             if key is not None:
                 self._rate_limit(key, ctx, body)
+            asked, tier = request.headers.get(CRITICALITY_HEADER), (key.tier if key else None)
             down = self.model_health.refusal()
             if down is not None:
-                raise self.gate.refuse_unavailable(request.headers.get(CRITICALITY_HEADER), key.tier if key else None,
-                                                   down, self._down_retry_after_s())
-            ticket = await self.gate.admit_waiting(
-                request.headers.get(CRITICALITY_HEADER), base=key.tier if key else None)
+                raise self.gate.refuse_unavailable(asked, tier, down, self._down_retry_after_s())
+            ticket = await self.gate.admit_waiting(asked, base=tier)
             ctx.headers_out[CRITICALITY_HEADER] = ticket.criticality.value
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             response = await self._serve(ctx, ticket, body.stream, include_usage, chat, echo, end_inflight)
